@@ -1,0 +1,5 @@
+import sys
+
+from tuneledger.cli import main
+
+sys.exit(main())

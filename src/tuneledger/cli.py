@@ -1,0 +1,57 @@
+"""The `tuneledger` command: one subcommand per verb, each in its own module.
+
+Every verb module exposes `add_parser(subparsers)` which registers its subcommand and sets
+`func` to a callable taking the parsed args and returning an exit code. Imports of torch and
+friends happen inside the verbs, so `tuneledger --help` and config errors answer in well under a
+second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tuneledger import __version__
+
+# Module names under tuneledger/, in the order `--help` lists them.
+VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "monitor", "gpus"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tuneledger",
+        description="Measure before you train: token stats, dry-runs with a ledger, DDP LoRA/QLoRA training.",
+    )
+    parser.add_argument("--version", action="version", version=f"tuneledger {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name in VERBS:
+        try:
+            module = importlib.import_module(f"tuneledger.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"tuneledger.{name}":
+                continue  # verb not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tuneledger.config import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"tuneledger {args.verb}: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

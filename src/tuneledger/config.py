@@ -1,0 +1,228 @@
+"""Job configuration: YAML file -> presets -> `key=value` overrides -> a resolved `JobConfig`.
+
+Key names follow LLaMA-Factory where one exists (`model_name_or_path`, `template`, `cutoff_len`,
+`per_device_train_batch_size`, `gradient_accumulation_steps`, `lora_rank`, `lora_alpha`,
+`lora_dropout`, `lora_target`, `quantization_bit`, `flash_attn`, ...), so a user's existing
+config reads the same here.
+
+Precedence, lowest first: the YAML file, then the preset (`preset: C`), then command-line
+`key=value` overrides. The global batch is the fixed quantity; gradient accumulation is derived:
+
+    gradient_accumulation_steps = global_batch_size / (per_device_train_batch_size * world_size)
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A config file, preset or override is wrong. The message names the file/key and the fix."""
+
+
+# The field report's presets (seeds/000) plus our D. GC = gradient checkpointing.
+# D's micro-batch is the largest that fit an H200 (8); `resolve()` caps it at global / world so the
+# global batch stays fixed at any world size.
+PRESETS: dict[str, dict[str, Any]] = {
+    "A": {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "packing": False},
+    "B": {"per_device_train_batch_size": 2, "gradient_checkpointing": True, "packing": False},
+    "C": {"per_device_train_batch_size": 2, "gradient_checkpointing": False, "packing": False},
+    "D": {"per_device_train_batch_size": 8, "gradient_checkpointing": False, "packing": True},
+}
+
+
+class JobConfig(BaseModel):
+    """Every setting of a stats / dry-run / train job. Units are in the field names or comments."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # -- model
+    model_name_or_path: str
+    trust_remote_code: bool = False
+    flash_attn: Literal["auto", "sdpa", "fa2", "eager"] = "auto"
+    # -- data
+    dataset: list[str]
+    template: str = "qwen"  # rendered with the tokenizer's own chat template; see data.py
+    default_system: str | None = None  # None: the template's own default system prompt
+    cutoff_len: int = 2048  # tokens; longer records are truncated and counted
+    max_samples: int | None = None
+    placeholders: dict[str, str] = {}  # fills {{key}} in records, e.g. identity.json's {{name}}
+    max_invalid_ratio: float = 0.05  # stats/train exit non-zero above this share of bad records
+    preprocessing_num_workers: int | None = None  # None: min(cpu count, 8)
+    cache_dir: str = ".cache/tuneledger"
+    # -- method
+    finetuning_type: Literal["lora"] = "lora"
+    quantization_bit: Literal[4] | None = 4
+    quantization_type: Literal["nf4", "fp4"] = "nf4"
+    double_quantization: bool = True
+    lora_rank: int = 64
+    lora_alpha: int = 128
+    lora_dropout: float = 0.05
+    lora_target: str = "all"  # "all" = every linear projection but lm_head
+    # -- batch
+    preset: Literal["A", "B", "C", "D"] | None = None
+    global_batch_size: int = 16
+    per_device_train_batch_size: int = 1
+    gradient_accumulation_steps: int | None = None  # derived; set it only to assert it
+    gradient_checkpointing: bool = True
+    packing: bool = False
+    # -- optimisation
+    learning_rate: float = 1e-4
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.03
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    max_grad_norm: float = 1.0
+    optim: str = "adamw_torch_fused"
+    bf16: bool = True
+    seed: int = 42
+    # -- output
+    run_name: str = "run"
+    output_dir: str | None = None  # None: runs/<run_name>
+    save_steps: int = 200
+    save_total_limit: int | None = 3
+    logging_steps: int = 10
+    report_to: Literal["tensorboard", "none"] = "tensorboard"
+    dataloader_num_workers: int = 2
+    ddp_timeout: int = 7200  # s; large, as in the field report, so a slow save never kills a rank
+    resume_from_checkpoint: Literal["auto", "never"] | str = "auto"
+    # -- dry-run
+    dryrun_steps: int = 50
+    dryrun_warmup_steps: int = 5  # optimizer steps excluded from the steady-state numbers
+    memory_cap_gib: float | None = None  # cap each process's CUDA memory, e.g. 24 to prove a 4090 fit
+
+    @field_validator("dataset", mode="before")
+    @classmethod
+    def _split_datasets(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator(
+        "cutoff_len", "global_batch_size", "per_device_train_batch_size", "lora_rank", "lora_alpha",
+        "save_steps", "logging_steps", "dryrun_steps",
+    )
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.output_dir or f"runs/{self.run_name}")
+
+    def accumulation(self, world_size: int) -> int:
+        """Gradient accumulation steps for `world_size` ranks at the fixed global batch.
+
+        Raises ConfigError when global_batch_size / (per_device_train_batch_size * world_size) is
+        not a whole number, or when an explicit `gradient_accumulation_steps` disagrees.
+        """
+        per_step = self.per_device_train_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global batch {self.global_batch_size} is not divisible by micro-batch "
+                f"{self.per_device_train_batch_size} x world size {world_size} = {per_step}: "
+                "gradient accumulation would not be a whole number. Change global_batch_size, "
+                "per_device_train_batch_size or the number of GPUs."
+            )
+        accum = self.global_batch_size // per_step
+        if self.gradient_accumulation_steps not in (None, accum):
+            raise ConfigError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} contradicts global "
+                f"batch {self.global_batch_size} / (micro-batch {self.per_device_train_batch_size} x "
+                f"world size {world_size}) = {accum}. Remove it: it is derived."
+            )
+        return accum
+
+
+FIELDS = set(JobConfig.model_fields)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Parse `key=value` strings; values are read as YAML scalars (`1e-4`, `true`, `[a, b]`)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value")
+        out[key.strip()] = yaml.safe_load(raw) if raw != "" else None
+    return out
+
+
+def _check_keys(keys: Any, where: str) -> None:
+    for key in keys:
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, sorted(FIELDS), n=1, cutoff=0.6)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown key '{key}' in {where}.{hint}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] = ()) -> JobConfig:
+    """Load a YAML job config, apply its preset and the overrides, and validate.
+
+    Raises ConfigError naming the file and key for unknown keys, bad values or a bad preset.
+    World-size-dependent numbers are resolved later by `resolve()`.
+    """
+    raw: dict[str, Any] = {}
+    where = "command line"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of key: value")
+    _check_keys(raw, where)
+    over = parse_overrides(list(overrides)) if not isinstance(overrides, dict) else dict(overrides)
+    _check_keys(over, "command-line overrides")
+
+    merged = dict(raw)
+    preset = over.get("preset", raw.get("preset"))
+    if preset is not None:
+        preset = str(preset).upper()
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset '{preset}' (from {where} or overrides); choose one of {', '.join(PRESETS)}")
+        merged.update(PRESETS[preset])
+        merged["preset"] = preset
+    merged.update({k: v for k, v in over.items() if k != "preset"})
+    try:
+        return JobConfig(**merged)
+    except ValidationError as e:
+        lines = [f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})" for err in e.errors()]
+        raise ConfigError(f"invalid config ({where} + overrides):\n  " + "\n  ".join(lines)) from None
+
+
+def resolve(cfg: JobConfig, world_size: int) -> JobConfig:
+    """Fix the world-size-dependent numbers: preset D's micro-batch cap and the accumulation.
+
+    Returns a copy with `gradient_accumulation_steps` set. Raises ConfigError (see `accumulation`).
+    """
+    cfg = cfg.model_copy()
+    if cfg.preset == "D":
+        # D is "the largest micro-batch that fits": 8 fit an H200, but never more than the global
+        # batch allows, so 8 GPUs at global 16 run micro-batch 2 rather than changing the recipe.
+        cfg.per_device_train_batch_size = max(1, min(cfg.per_device_train_batch_size, cfg.global_batch_size // world_size))
+    cfg.gradient_accumulation_steps = cfg.accumulation(world_size)
+    return cfg
+
+
+def describe(cfg: JobConfig, world_size: int) -> str:
+    """One line with the batch arithmetic, printed at the start of every run."""
+    return (
+        f"preset {cfg.preset or '-'}: micro-batch {cfg.per_device_train_batch_size} x world size {world_size} "
+        f"x gradient accumulation {cfg.gradient_accumulation_steps} = global batch {cfg.global_batch_size}; "
+        f"gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}; "
+        f"packing {'on' if cfg.packing else 'off'}; cutoff_len {cfg.cutoff_len}; "
+        f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha} dropout={cfg.lora_dropout}; "
+        f"{'QLoRA 4-bit ' + cfg.quantization_type.upper() if cfg.quantization_bit else 'LoRA bf16'}"
+    )

@@ -1,0 +1,378 @@
+"""Instruction data: read, validate, render through the chat template, tokenize, label, cache.
+
+Formats, detected per record:
+  alpaca    {"instruction", "input"?, "output", "system"?, "history"?: [[user, assistant], ...]}
+  sharegpt  {"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...], "system"?}
+  messages  {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+Files are a JSON list (`.json`) or one JSON object per line (`.jsonl`).
+
+An alpaca record becomes one user turn, `instruction + "\\n" + input` (input only when non-empty),
+and one assistant turn, after its history turns; this is LLaMA-Factory's convention.
+
+Labels: every token gets -100 except the assistant replies and the end-of-turn token
+(`<|im_end|>` for Qwen) that closes each of them, so the model learns to stop. The newline the
+template puts after `<|im_end|>` belongs to the next header and is not supervised.
+
+Bad records are never dropped silently: each gets an `Invalid(where, field, reason, kind)` and counts
+under its reason in the stats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+IGNORE_INDEX = -100
+CACHE_VERSION = "1"  # bump when encode() changes, so stale caches are not reused
+PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class DataError(ValueError):
+    """A data file cannot be read at all (missing, not JSON). The message names file and line."""
+
+
+@dataclass
+class Invalid:
+    """A record that cannot be trained on.
+
+    `where` is file:line (JSONL) or file#index (JSON list), `field` the offending field, `reason`
+    the detail and `kind` the short class it is counted under in the stats.
+    """
+
+    where: str
+    field: str
+    reason: str
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or self.reason
+
+    def __str__(self) -> str:
+        return f"{self.where}: field '{self.field}': {self.reason}"
+
+    def as_dict(self) -> dict:
+        return {"where": self.where, "field": self.field, "reason": self.reason, "kind": self.kind}
+
+
+# ---------------------------------------------------------------------------------------- reading
+def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """Yield (location, parsed object or Invalid) for every record of a .json or .jsonl file.
+
+    A JSONL line that is not JSON is yielded as Invalid (the rest of the file still counts).
+    Raises DataError when the file is missing or a .json file does not parse, with line:column.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset file {path} not found")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, Invalid(where, "<line>", f"not valid JSON: {e.msg} at column {e.colno}", "not valid JSON")
+        return
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: a .json dataset must be a list of records, got {type(data).__name__}")
+    # Records in a JSON list are located by index; the line of each is found cheaply for objects
+    # that start on their own line, which is how these files are written.
+    for i, obj in enumerate(data):
+        yield f"{path}#{i}", obj
+
+
+def _text(obj: dict, field: str, where: str, required: bool = True) -> str | Invalid:
+    value = obj.get(field)
+    if value is None:
+        return Invalid(where, field, "missing", "missing field") if required else ""
+    if not isinstance(value, str):
+        return Invalid(where, field, f"must be a string, got {type(value).__name__}", "wrong type")
+    return value
+
+
+def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None) -> list[dict] | Invalid:
+    """Normalise one record of any supported format to [{"role", "content"}, ...] or Invalid.
+
+    The conversation must be: optional system, then user/assistant alternating, ending with a
+    non-empty assistant reply. `{{key}}` placeholders are filled from `placeholders`; one left
+    unfilled makes the record invalid, since training on a literal `{{name}}` is never wanted.
+    """
+    if isinstance(obj, Invalid):
+        return obj
+    if not isinstance(obj, dict):
+        return Invalid(where, "<record>", f"must be an object, got {type(obj).__name__}", "wrong type")
+    msgs: list[dict] = []
+    if "messages" in obj or "conversations" in obj:
+        key = "messages" if "messages" in obj else "conversations"
+        role_key, content_key = ("role", "content") if key == "messages" else ("from", "value")
+        turns = obj[key]
+        if not isinstance(turns, list) or not turns:
+            return Invalid(where, key, "must be a non-empty list of turns", "wrong type")
+        if obj.get("system") is not None:
+            system = _text(obj, "system", where)
+            if isinstance(system, Invalid):
+                return system
+            msgs.append({"role": "system", "content": system})
+        for j, turn in enumerate(turns):
+            field = f"{key}[{j}]"
+            if not isinstance(turn, dict):
+                return Invalid(where, field, "must be an object", "wrong type")
+            role = ROLE_ALIASES.get(turn.get(role_key))
+            if role is None:
+                return Invalid(where, f"{field}.{role_key}", f"unsupported role {turn.get(role_key)!r}", "unsupported role")
+            content = _text(turn, content_key, where)
+            if isinstance(content, Invalid):
+                content.field = f"{field}.{content_key}"
+                return content
+            msgs.append({"role": role, "content": content})
+    elif "instruction" in obj or "output" in obj:
+        parts = {f: _text(obj, f, where, required=f in ("instruction", "output")) for f in ("instruction", "input", "output", "system")}
+        for value in parts.values():
+            if isinstance(value, Invalid):
+                return value
+        if parts["system"]:
+            msgs.append({"role": "system", "content": parts["system"]})
+        history = obj.get("history") or []
+        if not isinstance(history, list):
+            return Invalid(where, "history", "must be a list of [user, assistant] pairs", "wrong type")
+        for j, pair in enumerate(history):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                return Invalid(where, f"history[{j}]", "must be a [user, assistant] pair of strings", "wrong type")
+            msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        prompt = parts["instruction"] + ("\n" + parts["input"] if parts["input"] else "")
+        if not prompt.strip():
+            return Invalid(where, "instruction", "instruction and input are both empty", "empty prompt")
+        msgs += [{"role": "user", "content": prompt}, {"role": "assistant", "content": parts["output"]}]
+    else:
+        return Invalid(where, "<record>", "unknown format: expected instruction/output, messages or conversations", "unknown format")
+
+    # Structure: [system] user assistant (user assistant)*
+    body = msgs[1:] if msgs and msgs[0]["role"] == "system" else msgs
+    for j, m in enumerate(body):
+        expected = "user" if j % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            return Invalid(where, "role", f"turn {j + 1} is '{m['role']}', expected '{expected}' (turns must alternate user/assistant)", "turns out of order")
+    if not body or body[-1]["role"] != "assistant":
+        return Invalid(where, "role", "conversation must end with an assistant turn", "turns out of order")
+    for m in body:
+        if m["role"] == "assistant" and not m["content"].strip():
+            return Invalid(where, "output" if "instruction" in obj else "content", "empty assistant reply", "empty assistant reply")
+    for m in msgs:
+        if placeholders:
+            m["content"] = PLACEHOLDER.sub(lambda g: placeholders.get(g.group(1), g.group(0)), m["content"])
+        left = PLACEHOLDER.search(m["content"])
+        if left:
+            return Invalid(where, "content", f"unfilled placeholder {left.group(0)}: set placeholders: {{{left.group(1)}: ...}}", "unfilled placeholder")
+    return msgs
+
+
+# ------------------------------------------------------------------------------------- encoding
+def encode(messages: list[dict], tokenizer: Any, cutoff_len: int, default_system: str | None = None) -> dict:
+    """Render one conversation with the tokenizer's chat template and build its labels.
+
+    Returns {"input_ids": list[int] (<= cutoff_len), "labels": list[int] (same length),
+    "n_tokens": int (before truncation), "n_supervised": int (after truncation),
+    "truncated": bool, "reason": str ("" when trainable)}.
+
+    Assistant spans are found on the rendered text: the render of the turns before a reply with
+    the generation prompt must be a prefix of the full render (true of ChatML templates); the span
+    runs from there to the end of the first end-of-turn token after it. Tokens whose character
+    offsets lie inside a span are supervised.
+    """
+    if default_system is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": default_system}] + messages
+    render = tokenizer.apply_chat_template
+    full = render(messages, tokenize=False)
+    eot = tokenizer.eos_token
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = render(messages[:i], tokenize=False, add_generation_prompt=True)
+        end = full.find(eot, len(prefix) + len(m["content"]))
+        if not full.startswith(prefix) or end < 0:
+            return {"input_ids": [], "labels": [], "n_tokens": 0, "n_supervised": 0, "truncated": False,
+                    "reason": "chat template renders turns inconsistently (prefix not stable)"}
+        spans.append((len(prefix), end + len(eot)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(ids), dtype=bool)
+    for start, end in spans:
+        mask |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
+    labels = np.where(mask, ids, IGNORE_INDEX)
+    n_tokens = len(ids)
+    ids, labels = ids[:cutoff_len], labels[:cutoff_len]
+    n_sup = int((labels != IGNORE_INDEX).sum())
+    reason = "" if n_sup else ("0 supervised tokens left after cutoff_len" if n_tokens > cutoff_len else "0 supervised tokens")
+    return {"input_ids": ids.tolist(), "labels": labels.tolist(), "n_tokens": n_tokens, "n_supervised": n_sup,
+            "truncated": n_tokens > cutoff_len, "reason": reason}
+
+
+# ---------------------------------------------------------------------------------------- cache
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 over the vocabulary, special tokens and chat template: what decides the ids."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    h.update(json.dumps([tokenizer.eos_token, tokenizer.pad_token, tokenizer.chat_template or ""]).encode())
+    return h.hexdigest()
+
+
+def cache_key(data_hashes: list[str], tok_fp: str, template: str, cutoff_len: int, extra: dict) -> str:
+    blob = json.dumps([CACHE_VERSION, data_hashes, tok_fp, template, cutoff_len, extra], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def num_proc(requested: int | None) -> int:
+    return max(1, requested or min(os.cpu_count() or 1, 8))
+
+
+# ------------------------------------------------------------------------------------ prepare
+@dataclass
+class Prepared:
+    """A tokenized, validated dataset on disk and what was found on the way.
+
+    `path` holds a `datasets.Dataset` (columns input_ids, labels, n_tokens, n_supervised,
+    truncated, where) with only trainable records; `report` is the stats (see `summarize`);
+    `invalid` lists every record left out, with its reason.
+    """
+
+    path: Path
+    report: dict
+    invalid: list[Invalid]
+    from_cache: bool
+
+
+def _encode_batch(batch: dict, tokenizer: Any, cutoff_len: int, default_system: str | None) -> dict:
+    out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_tokens", "n_supervised", "truncated", "reason")}
+    for messages in batch["messages"]:
+        for k, v in encode(messages, tokenizer, cutoff_len, default_system).items():
+            out[k].append(v)
+    return out
+
+
+def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
+    """Validate, tokenize (in parallel) and cache `cfg.dataset` for `tokenizer`.
+
+    The cache key covers every data file's sha256, the tokenizer fingerprint, the template,
+    default_system, cutoff_len, placeholders and max_samples; a hit loads in well under a second
+    and is what training ranks read, so no rank tokenizes inside the process group.
+    Raises DataError for unreadable files.
+    """
+    import datasets
+
+    files = [Path(p) for p in cfg.dataset]
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"dataset file {f} not found (dataset: {', '.join(cfg.dataset)})")
+    key = cache_key([file_sha256(f) for f in files], tokenizer_fingerprint(tokenizer), cfg.template, cfg.cutoff_len,
+                    {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples})
+    path = Path(cfg.cache_dir) / key
+    meta = path / "tuneledger.json"
+    if meta.is_file():
+        saved = json.loads(meta.read_text())
+        return Prepared(path, saved["report"], [Invalid(**d) for d in saved["invalid"]], True)
+
+    rows: dict[str, list] = {"messages": [], "where": []}
+    invalid: list[Invalid] = []
+    total = 0
+    for f in files:
+        for where, obj in read_records(f):
+            if cfg.max_samples is not None and total >= cfg.max_samples:
+                break
+            total += 1
+            msgs = to_messages(obj, where, cfg.placeholders)
+            if isinstance(msgs, Invalid):
+                invalid.append(msgs)
+            else:
+                rows["messages"].append(msgs)
+                rows["where"].append(where)
+
+    ds = datasets.Dataset.from_dict(rows)
+    if len(ds):
+        if not progress:
+            datasets.disable_progress_bars()
+        ds = ds.map(
+            _encode_batch, batched=True, batch_size=64, remove_columns=["messages"],
+            num_proc=min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64)),
+            fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
+            desc=f"tokenizing {len(ds)} records",
+        )
+        reasons = ds["reason"]
+        for where, reason in zip(ds["where"], reasons):
+            if reason:
+                invalid.append(Invalid(where, "output", reason))
+        lengths_all = np.asarray(ds["n_tokens"])
+        ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns("reason")
+    else:
+        lengths_all = np.zeros(0)
+    report = summarize(ds, total, invalid, cfg)
+    report["lengths_all_valid"] = _length_summary(lengths_all[lengths_all > 0]) if len(lengths_all) else {}
+    report.update({"cache_key": key, "data_files": {str(f): file_sha256(f) for f in files},
+                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)[:16]})
+    tmp = path.with_name(path.name + ".tmp")
+    ds.save_to_disk(str(tmp))
+    (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
+    if path.exists():  # another process won the race; keep its copy
+        import shutil
+        shutil.rmtree(tmp)
+    else:
+        tmp.rename(path)
+    return Prepared(path, report, invalid, False)
+
+
+def _length_summary(lengths: np.ndarray) -> dict:
+    if not len(lengths):
+        return {"mean": 0, "median": 0, "p95": 0, "max": 0}
+    return {"mean": round(float(lengths.mean()), 1), "median": float(np.median(lengths)),
+            "p95": float(np.percentile(lengths, 95)), "max": int(lengths.max())}
+
+
+def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:
+    """The stats of a prepared dataset. Token counts are of the rendered conversation.
+
+    Keys: records {total, valid, invalid, invalid_by_reason}; tokens {total (before cutoff),
+    trained (after cutoff), supervised (after cutoff)}; length {mean, median, p95, max} in tokens
+    before cutoff; over_cutoff (records truncated); steps_per_epoch = ceil(valid / global batch);
+    tokens_per_step (mean trained tokens per optimizer step).
+    """
+    n_tokens = np.asarray(ds["n_tokens"] if len(ds) else [], dtype=np.int64)
+    n_sup = np.asarray(ds["n_supervised"] if len(ds) else [], dtype=np.int64)
+    trained = np.minimum(n_tokens, cfg.cutoff_len)
+    valid = len(ds)
+    steps = -(-valid // cfg.global_batch_size) if valid else 0
+    by_reason = Counter(i.kind for i in invalid)
+    return {
+        "records": {"total": total, "valid": valid, "invalid": len(invalid), "invalid_by_reason": dict(by_reason.most_common())},
+        "tokens": {"total": int(n_tokens.sum()), "trained": int(trained.sum()), "supervised": int(n_sup.sum())},
+        "length": _length_summary(n_tokens),
+        "over_cutoff": int((n_tokens > cfg.cutoff_len).sum()),
+        "zero_supervised": by_reason.get("0 supervised tokens left after cutoff_len", 0) + by_reason.get("0 supervised tokens", 0),
+        "cutoff_len": cfg.cutoff_len,
+        "global_batch_size": cfg.global_batch_size,
+        "steps_per_epoch": steps,
+        "tokens_per_step": round(float(trained.sum()) / steps, 1) if steps else 0.0,
+    }
