@@ -226,3 +226,11 @@ def describe(cfg: JobConfig, world_size: int) -> str:
         f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha} dropout={cfg.lora_dropout}; "
         f"{'QLoRA 4-bit ' + cfg.quantization_type.upper() if cfg.quantization_bit else 'LoRA bf16'}"
     )
+
+
+def from_cli(items: list[str], default: str | None = None) -> JobConfig:
+    """`[CONFIG.yaml] [key=value ...]` from a command line: the first item without '=' is the file."""
+    files = [i for i in items if "=" not in i]
+    if len(files) > 1:
+        raise ConfigError(f"one config file expected, got {files}")
+    return load_config(files[0] if files else default, [i for i in items if "=" in i])

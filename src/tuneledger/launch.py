@@ -1,0 +1,65 @@
+"""Start the per-rank workers with torchrun, one process per GPU (gloo processes on a CPU).
+
+The rendezvous port is picked free by the OS each time: the field notes hit 'Address already in
+use' on torchrun's default 29500 when a second job shared the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_nproc(cpu: bool) -> int:
+    """Every visible GPU; on a CPU-only machine 2 gloo processes, so the DDP path still runs."""
+    n = 0 if cpu else visible_gpus()
+    return n or 2
+
+
+def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None) -> int:
+    """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
+
+    Output streams to the terminal and, when `log_path` is given, to that file as well.
+    """
+    job_path.parent.mkdir(parents=True, exist_ok=True)
+    job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "tuneledger.trainer", str(job_path)]
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("NCCL_DEBUG", "WARN")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, nproc))))
+    env["PYTHONUNBUFFERED"] = "1"
+    if job.get("cpu"):
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    print(f"launch: {nproc} process(es), rendezvous 127.0.0.1:{port}", flush=True)
+    log = open(log_path, "a", encoding="utf-8") if log_path else None
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if log:
+                log.write(line)
+        return proc.wait()
+    finally:
+        if log:
+            log.close()

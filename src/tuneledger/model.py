@@ -1,0 +1,162 @@
+"""Model and tokenizer loading: the same code for a hub id, a local path and a synthetic model.
+
+QLoRA loads one full 4-bit copy per rank onto `cuda:LOCAL_RANK` (`device_map={"": local_rank}`),
+never `device_map="auto"`, which would split one copy across GPUs and serialise them: pure DDP.
+
+We do not call peft's `prepare_model_for_kbit_training`. It upcasts every non-4-bit weight
+(embeddings, norms, lm_head) to fp32, which cost 22% of GPU time in dtype casts on an H200
+(../shared/notes/h200-baseline.md). We keep what training needs from it: frozen base weights,
+gradients enabled on the inputs (so checkpointed blocks have a grad path), and non-reentrant
+gradient checkpointing. bench/results has the measured difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Model types and architectures that are not text-only causal LMs. Checked on config.json before
+# any weights are fetched: a VL checkpoint is ~1 GB bigger and trains a vision tower we never use.
+VISION_MODEL_TYPES = ("vl", "vision", "llava", "idefics", "paligemma", "mllama", "pixtral", "qwen2_audio", "omni")
+
+
+class PreflightError(RuntimeError):
+    """A check that runs before weights load failed. The message says what to fix."""
+
+
+def read_model_config(name_or_path: str) -> dict:
+    """config.json of a local model directory or a hub repo (that one file only, honouring HF_ENDPOINT).
+
+    Raises PreflightError when it cannot be found or read.
+    """
+    local = Path(name_or_path)
+    if local.is_dir():
+        path = local / "config.json"
+        if not path.is_file():
+            raise PreflightError(f"{local} has no config.json: is it a model directory?")
+    elif local.exists() or name_or_path.startswith((".", "/")):
+        raise PreflightError(f"model path {name_or_path} is not a directory")
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(name_or_path, "config.json"))
+        except Exception as e:  # offline, unknown repo, gated: say which and how to fix
+            raise PreflightError(
+                f"cannot fetch config.json of '{name_or_path}' from {os.environ.get('HF_ENDPOINT', 'https://huggingface.co')}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Download the model to a local directory "
+                "and set model_name_or_path to it, or set HF_ENDPOINT to a mirror.") from None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PreflightError(f"{path}: cannot read model config: {e}") from None
+
+
+def check_text_causal_lm(config: dict, name: str) -> None:
+    """Refuse vision-language and non-causal-LM checkpoints, naming the field that shows it."""
+    model_type = str(config.get("model_type", ""))
+    archs = [str(a) for a in config.get("architectures") or []]
+    lowered = [model_type.lower()] + [a.lower() for a in archs]
+    if "vision_config" in config or any(tag in x for x in lowered for tag in VISION_MODEL_TYPES):
+        raise PreflightError(
+            f"{name} is a vision-language model (model_type={model_type!r}, architectures={archs}); this job trains text "
+            "only. Use the text variant, e.g. Qwen/Qwen2.5-7B-Instruct rather than Qwen/Qwen2.5-VL-7B-Instruct.")
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise PreflightError(f"{name}: architectures={archs} has no *ForCausalLM; tuneledger fine-tunes causal LMs only")
+
+
+def is_synthetic(config: dict) -> bool:
+    return "tuneledger_synthetic" in config
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """The model's tokenizer, with a pad token distinct from eos.
+
+    Pad == eos would mask the end-of-turn token out of the loss wherever padding is masked, and
+    the model then never learns to stop. If the tokenizer has no distinct pad, `<|endoftext|>`
+    (or an added `<|pad|>`) becomes pad. Raises PreflightError if there is no chat template.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    if not tok.chat_template:
+        raise PreflightError(f"tokenizer of {name_or_path} has no chat_template; use an -Instruct model or add one")
+    if tok.eos_token is None:
+        raise PreflightError(f"tokenizer of {name_or_path} has no eos_token")
+    if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
+        candidates = [t for t in ("<|endoftext|>", "<|pad|>") if t in tok.get_vocab() and t != tok.eos_token]
+        if candidates:
+            tok.pad_token = candidates[0]
+        else:
+            tok.add_special_tokens({"pad_token": "<|pad|>"})
+    tok.padding_side = "right"
+    return tok
+
+
+def attention_backend(requested: str, device_type: str) -> str:
+    """The attention implementation to ask transformers for; packing works with both on 5.x."""
+    if requested == "eager":
+        return "eager"
+    if requested in ("auto", "fa2") and device_type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            if requested == "fa2":
+                print("flash_attn: flash-attn is not installed; falling back to sdpa", flush=True)
+    return "sdpa"
+
+
+def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
+    """Load the base model on `device` (4-bit when `quantization_bit` is 4) and wrap it with LoRA.
+
+    Returns (peft model, info) where info has trainable/total parameters, attention backend,
+    dtype and whether the model is synthetic. Raises PreflightError for 4-bit without CUDA.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    attn = attention_backend(cfg.flash_attn, device.type)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
+    if cfg.quantization_bit == 4:
+        if device.type != "cuda":
+            raise PreflightError("quantization_bit: 4 needs a CUDA GPU (bitsandbytes); on CPU set quantization_bit=null")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=cfg.quantization_type,
+            bnb_4bit_use_double_quant=cfg.double_quantization, bnb_4bit_compute_dtype=dtype)
+    # One whole copy per rank on this rank's device: pure DDP.
+    kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
+    model.config.use_cache = False
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Checkpointed blocks need an input that requires grad to have a backward path through frozen
+    # embeddings; peft's k-bit preparation does the same.
+    model.enable_input_require_grads()
+
+    target = "all-linear" if cfg.lora_target == "all" else [t.strip() for t in cfg.lora_target.split(",")]
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=target, bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    trainable, total = model.get_nb_trainable_parameters()
+    info = {
+        "trainable_params": int(trainable), "total_params": int(total),
+        "trainable_pct": round(100 * trainable / total, 2),
+        "attention": attn, "dtype": str(dtype).replace("torch.", ""),
+        "quantization": f"{cfg.quantization_type} 4-bit, double quant {cfg.double_quantization}" if cfg.quantization_bit else "none",
+        "synthetic": bool(getattr(model.config, "tuneledger_synthetic", None)),
+        # Adapter in fp32 plus AdamW's two fp32 moments: what a checkpoint holds, in bytes.
+        "checkpoint_bytes_est": int(trainable) * (4 + 8),
+    }
+    return model, info

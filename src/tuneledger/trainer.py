@@ -1,0 +1,335 @@
+"""The per-rank worker that torchrun starts: setup(), then main(), then fit().
+
+    python -m torch.distributed.run --nproc-per-node N -m tuneledger.trainer JOB.json
+
+JOB.json is written by `tuneledger train` / `tuneledger dryrun` (launch.py) and holds the
+resolved config, the path of the tokenized dataset (prepared before torchrun, so no rank ever
+tokenizes) and the mode. Each rank trains with transformers' Trainer; rank 0 writes the result.
+
+Timing (mode "dryrun"): StepTimer records CUDA events (no host sync) at each micro-batch
+boundary, before and after the optimizer and at step end, and reads them once after training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from tuneledger.config import JobConfig
+
+
+# ------------------------------------------------------------------------------------- timing
+class Clock:
+    """Timestamps on the GPU's timeline (CUDA events) or the host's (CPU runs). Resolved lazily."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+class StepTimer(TrainerCallback):
+    """Per optimizer step: micro-batch times (forward+backward), optimizer time, host data wait.
+
+    The last micro-batch of a step carries DDP's gradient all-reduce (and any wait for a slower
+    rank); the others run under `no_sync`. `summary()` synchronises once and returns lists in s.
+    """
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.steps: list[dict] = []
+        self._cur: dict | None = None
+        self._host_end: float | None = None
+        self.save_s: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kw):
+        now = time.perf_counter()
+        # Host time between steps: the Trainer fetches the next step's micro-batches here.
+        wait = now - self._host_end if self._host_end is not None else 0.0
+        self._cur = {"marks": [self.clock.mark()], "data_wait_s": wait, "host_begin": now}
+
+    def on_substep_end(self, args, state, control, **kw):
+        if self._cur:
+            self._cur["marks"].append(self.clock.mark())
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        if self._cur:
+            self._cur["marks"].append(self.clock.mark())
+            self._cur["n_micro"] = len(self._cur["marks"]) - 1
+
+    def on_step_end(self, args, state, control, **kw):
+        if self._cur:
+            self._cur["marks"].append(self.clock.mark())
+            self.steps.append(self._cur)
+            self._cur = None
+        self._host_end = time.perf_counter()
+
+    def on_save(self, args, state, control, **kw):
+        self.save_s.append(time.perf_counter() - self._host_end)
+
+    def summary(self) -> list[dict]:
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        out = []
+        for s in self.steps:
+            m, n = s["marks"], s["n_micro"]
+            micro = [self.clock.seconds(m[i], m[i + 1]) for i in range(n)]
+            out.append({"step_s": self.clock.seconds(m[0], m[-1]), "micro_s": micro,
+                        "optimizer_s": self.clock.seconds(m[n], m[-1]), "data_wait_s": s["data_wait_s"]})
+        return out
+
+
+class LedgerTrainer(Trainer):
+    """transformers' Trainer plus a count of real (non-pad) tokens and tokens/s + ETA in the logs.
+
+    The token count accumulates on the device (no sync per micro-batch) and is read at logging
+    steps and at the end. `floating_point_ops` is replaced by 6·N·tokens with N counted once:
+    the stock one walks every parameter on every micro-batch, a host cost at small micro-batches.
+    """
+
+    def __init__(self, *a, n_params: int = 0, **kw):
+        super().__init__(*a, **kw)
+        self.n_params = n_params
+        self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
+        self.step_tokens: list[torch.Tensor] = []
+        self._log_tokens = 0
+        self._log_time = time.perf_counter()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        mask = inputs.get("attention_mask")
+        self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def floating_point_ops(self, inputs) -> int:
+        return 6 * self.n_params * inputs["input_ids"].numel()
+
+    def log(self, logs: dict, *args, **kw) -> None:
+        if "loss" in logs and self.state.global_step:
+            seen = int(self.tokens.item())
+            now = time.perf_counter()
+            dt = now - self._log_time
+            if dt > 0 and seen > self._log_tokens:
+                world = self.args.world_size
+                logs["tokens_per_s"] = round((seen - self._log_tokens) * world / dt, 1)
+                per_step = dt / max(1, self.state.global_step - getattr(self, "_log_step", 0))
+                left = max(0, self.state.max_steps - self.state.global_step)
+                logs["eta_h"] = round(left * per_step / 3600, 3)
+            self._log_tokens, self._log_time, self._log_step = seen, now, self.state.global_step
+        super().log(logs, *args, **kw)
+
+
+class TokenSnapshot(TrainerCallback):
+    """Keeps the running token count at every step end (a device tensor, no sync)."""
+
+    def __init__(self, trainer_ref: list):
+        self.trainer_ref = trainer_ref
+
+    def on_step_end(self, args, state, control, **kw):
+        t = self.trainer_ref[0]
+        t.step_tokens.append(t.tokens.clone())
+
+
+# ------------------------------------------------------------------------------------ pieces
+def make_collator(cfg: JobConfig, tokenizer: Any) -> Any:
+    """Padded micro-batches (DataCollatorForSeq2Seq), or padding-free packing of whole samples.
+
+    Packing (DataCollatorWithFlattening) concatenates the micro-batch into one row with
+    `position_ids` restarting at 0 per sample and no attention mask; transformers 5 detects the
+    boundaries from position_ids (SDPA and flash_attention_2), so no sample attends to another.
+    """
+    if cfg.packing:
+        from transformers import DataCollatorWithFlattening
+
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+
+
+def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str) -> TrainingArguments:
+    dryrun = mode == "dryrun"
+    return TrainingArguments(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
+        num_train_epochs=cfg.num_train_epochs,
+        max_steps=cfg.dryrun_steps if dryrun else cfg.max_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        optim=cfg.optim if cuda else "adamw_torch",
+        bf16=cfg.bf16 and cuda,
+        logging_steps=cfg.logging_steps,
+        logging_dir=str(out_dir / "tensorboard"),
+        report_to=report_to,
+        # The dry-run saves exactly once, at its last step, to time one real checkpoint.
+        save_strategy="steps",
+        save_steps=cfg.dryrun_steps if dryrun else cfg.save_steps,
+        save_total_limit=cfg.save_total_limit,
+        seed=cfg.seed,
+        dataloader_num_workers=cfg.dataloader_num_workers,
+        ddp_find_unused_parameters=False,  # LoRA on every linear: every trainable param gets a grad
+        ddp_backend="nccl" if cuda else "gloo",
+        ddp_timeout=cfg.ddp_timeout,
+        use_cpu=not cuda,
+        remove_unused_columns=False,
+        gradient_checkpointing=False,  # enabled in model.load_model, non-reentrant
+        disable_tqdm=dryrun,
+        save_only_model=False,
+        run_name=cfg.run_name,
+    )
+
+
+def resolve_report_to(cfg: JobConfig, rank: int) -> str:
+    """'tensorboard' if it imports, else 'none' with a warning: logging never kills a run."""
+    if cfg.report_to != "tensorboard":
+        return "none"
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        return "tensorboard"
+    except ImportError as e:
+        if rank == 0:
+            print(f"WARNING: report_to=tensorboard but it does not import ({e}); training continues without "
+                  "TensorBoard. Fix: pip install tensorboard", file=sys.stderr, flush=True)
+        return "none"
+
+
+def last_checkpoint(out_dir: Path) -> str | None:
+    """The newest complete checkpoint-N in out_dir (one with trainer_state.json), or None."""
+    done = [p for p in out_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file() and p.name.split("-")[-1].isdigit()]
+    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+
+
+def bench_allreduce(nbytes: int, device: torch.device, iters: int = 20) -> dict:
+    """Time an all-reduce of `nbytes` (the gradient size) on the training process group.
+
+    Bus bandwidth follows nccl-tests (PERFORMANCE.md): busbw = bytes / t * 2 (n - 1) / n, in GB/s.
+    Returns {} on a single rank.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    n = dist.get_world_size()
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    for _ in range(3):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    t = times[len(times) // 2]
+    return {"bytes": x.numel() * 4, "median_s": t, "algbw_gbs": x.numel() * 4 / t / 1e9,
+            "busbw_gbs": x.numel() * 4 / t / 1e9 * 2 * (n - 1) / n}
+
+
+# ------------------------------------------------------------------------------- setup/main/fit
+def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
+    cfg = JobConfig(**job["config"])
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available() and not job.get("cpu", False)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        if cfg.memory_cap_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_gib * 2**30 / total), device)
+    return cfg, device, rank, local_rank
+
+
+def main(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    cfg, device, rank, _ = setup(job)
+    report_to = resolve_report_to(cfg, rank)  # before the model loads, so it cannot fail after
+    result = fit(cfg, job, device, rank, report_to)
+    if rank == 0:
+        Path(job["result_path"]).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: str) -> dict:
+    import datasets
+    import torch.distributed as dist
+
+    from tuneledger.model import load_model, load_tokenizer
+
+    mode, cuda = job["mode"], device.type == "cuda"
+    out_dir = Path(job["out_dir"])
+    datasets.disable_progress_bars()
+    ds = datasets.load_from_disk(job["data_path"]).select_columns(["input_ids", "labels"])
+    tokenizer = load_tokenizer(cfg.model_name_or_path)
+    t0 = time.perf_counter()
+    model, info = load_model(cfg, device)
+    info["load_s"] = round(time.perf_counter() - t0, 2)
+
+    clock = Clock(cuda)
+    timer = StepTimer(clock)
+    ref: list = []
+    trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to), train_dataset=ds,
+                            data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
+                            callbacks=[timer, TokenSnapshot(ref)], n_params=info["total_params"])
+    ref.append(trainer)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    resume = None
+    if mode == "train" and cfg.resume_from_checkpoint != "never":
+        resume = last_checkpoint(out_dir) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint
+        if resume and rank == 0:
+            print(f"resuming from {resume}", flush=True)
+    wall0 = time.perf_counter()
+    out = trainer.train(resume_from_checkpoint=resume)
+    wall = time.perf_counter() - wall0
+
+    steps = timer.summary()
+    tokens = [int(t) for t in torch.stack(trainer.step_tokens).tolist()] if trainer.step_tokens else []
+    local = {
+        "rank": rank, "device": str(device),
+        "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "peak_allocated_mib": round(torch.cuda.max_memory_allocated(device) / 2**20) if cuda else None,
+        "peak_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2**20) if cuda else None,
+        "steps": steps, "cum_tokens": tokens,
+    }
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(per_rank, local)
+    else:
+        per_rank = [local]
+    grad_bytes = info["trainable_params"] * 4  # LoRA weights and their grads are fp32
+    allreduce = bench_allreduce(grad_bytes, device) if mode == "dryrun" else {}
+    ckpt = last_checkpoint(out_dir)
+    ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
+    return {
+        "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
+        "train_loss": out.training_loss, "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
+        "checkpoint_bytes": ckpt_bytes, "allreduce": allreduce, "report_to": report_to,
+        "config": cfg.model_dump(), "resumed_from": resume,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
