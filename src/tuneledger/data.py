@@ -347,8 +347,9 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
 def _length_summary(lengths: np.ndarray) -> dict:
     if not len(lengths):
         return {"mean": 0, "median": 0, "p95": 0, "max": 0}
-    return {"mean": round(float(lengths.mean()), 1), "median": float(np.median(lengths)),
-            "p95": float(np.percentile(lengths, 95)), "max": int(lengths.max())}
+    # Percentiles are data values: the smallest at or above the interpolated rank (numpy "higher").
+    return {"mean": round(float(lengths.mean()), 1), "median": int(np.percentile(lengths, 50, method="higher")),
+            "p95": int(np.percentile(lengths, 95, method="higher")), "max": int(lengths.max())}
 
 
 def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:

@@ -84,14 +84,19 @@ class StepTimer(TrainerCallback):
         self.save_s.append(time.perf_counter() - self._host_end)
 
     def summary(self) -> list[dict]:
+        """Per step: step_s, micro_s (list), optimizer_s, data_wait_s (host), and t_begin/t_end,
+        the step's bounds in s since the first step began (so a window's wall time includes the
+        gaps between steps)."""
         if self.clock.cuda:
             torch.cuda.synchronize()
         out = []
+        origin = self.steps[0]["marks"][0] if self.steps else None
         for s in self.steps:
             m, n = s["marks"], s["n_micro"]
             micro = [self.clock.seconds(m[i], m[i + 1]) for i in range(n)]
             out.append({"step_s": self.clock.seconds(m[0], m[-1]), "micro_s": micro,
-                        "optimizer_s": self.clock.seconds(m[n], m[-1]), "data_wait_s": s["data_wait_s"]})
+                        "optimizer_s": self.clock.seconds(m[n], m[-1]), "data_wait_s": s["data_wait_s"],
+                        "t_begin": self.clock.seconds(origin, m[0]), "t_end": self.clock.seconds(origin, m[-1])})
         return out
 
 

@@ -1,0 +1,131 @@
+"""The ledger: turn a worker's raw timings into the numbers a user plans with, and write them.
+
+Everything here is arithmetic on measured values; nothing is assumed. Formulas:
+- steady-state s/step = wall time of the steady window / its steps; the window starts after
+  `dryrun_warmup_steps` and includes the gaps between steps (data loading, logging);
+- tokens/s = real (non-pad) tokens of the window, summed over ranks / window wall time;
+- MFU = tokens/s x k x N / (world size x peak), k = 4 without gradient checkpointing (forward 2N,
+  backward 2N: frozen weights get no weight gradient) and 6 with it (one more forward), N = the
+  matmul parameters (lm_head included, embedding not), peak = the bf16 matmul rate measured on
+  the same GPU in the same run (the convention of ../shared/notes/h200-baseline.md);
+- all-reduce bus bandwidth as nccl-tests: bytes / t x 2 (n - 1) / n;
+- ETA = total steps x s/step + checkpoints x save time (the field report's method).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+# A 24 GB card (RTX 4090: 24,564 MiB) keeps ~1 GiB for the CUDA context, cuBLAS workspace and NCCL
+# buffers, so the allocator may use about 23 GiB; the fit is proved by capping it there.
+CAP_24GB_GIB = 23.0
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _spread(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"mean": _mean(xs), "median": statistics.median(xs), "p10": pick(0.1), "p90": pick(0.9),
+            "min": s[0], "max": s[-1]}
+
+
+def summarize_run(result: dict, warmup: int) -> dict:
+    """Steady-state numbers of one dry-run result (trainer.fit's return value).
+
+    Returns s_per_step (spread dict), tokens_per_s (aggregate), tokens_per_s_per_gpu,
+    split (mean seconds per part and method), memory per rank (MiB), steps measured and excluded.
+    Raises ValueError when there are not more steps than warm-up steps.
+    """
+    r0 = result["ranks"][0]
+    steps = r0["steps"]
+    n = len(steps)
+    if n <= warmup:
+        raise ValueError(f"dry-run made {n} steps, not more than the {warmup} warm-up steps; raise dryrun_steps")
+    steady = steps[warmup:]
+    # From the end of the last warm-up step, so the gap before the first steady step counts too.
+    window = steps[-1]["t_end"] - (steps[warmup - 1]["t_end"] if warmup else 0.0)
+    world = result["world_size"]
+    tokens = 0
+    for rank in result["ranks"]:
+        cum = rank["cum_tokens"]
+        tokens += cum[-1] - (cum[warmup - 1] if warmup else 0)
+    s_step = window / len(steady)
+    per_step = [s["step_s"] for s in steady]
+
+    no_sync = [t for s in steady for t in s["micro_s"][:-1]]
+    sync = [s["micro_s"][-1] for s in steady]
+    opt = [s["optimizer_s"] for s in steady]
+    ar = result.get("allreduce") or {}
+    ar_s = ar.get("median_s", 0.0)
+    if no_sync:
+        fwd_bwd = _mean(no_sync)
+        method = "forward+backward measured on no_sync micro-batches"
+    else:
+        fwd_bwd = max(0.0, _mean(sync) - ar_s)
+        method = "accumulation 1: forward+backward = synchronising micro-batch - measured all-reduce"
+    n_micro = len(steady[0]["micro_s"])
+    sync_extra = max(0.0, _mean(sync) - fwd_bwd)
+    parts = {
+        "forward_backward_per_micro_s": fwd_bwd,
+        "micro_batches_per_step": n_micro,
+        "forward_backward_s": fwd_bwd * n_micro,
+        "allreduce_s": min(ar_s, sync_extra) if no_sync else ar_s,
+        "sync_wait_s": max(0.0, sync_extra - ar_s),
+        "optimizer_s": _mean(opt),
+    }
+    parts["other_s"] = max(0.0, s_step - parts["forward_backward_s"] - parts["allreduce_s"] - parts["sync_wait_s"] - parts["optimizer_s"])
+    parts["method"] = method
+    parts["data_wait_s"] = _mean([s["data_wait_s"] for s in steady])
+    return {
+        "steps_measured": len(steady), "warmup_steps_excluded": warmup, "window_s": window,
+        "s_per_step": s_step, "step_spread": _spread(per_step),
+        "tokens_per_s": tokens / window, "tokens_per_s_per_gpu": tokens / window / world,
+        "tokens_per_step": tokens / len(steady),
+        "split": parts,
+        "memory_mib": [{"rank": r["rank"], "gpu": r["gpu_name"], "peak_allocated": r["peak_allocated_mib"],
+                        "peak_reserved": r["peak_reserved_mib"]} for r in result["ranks"]],
+    }
+
+
+def mfu(tokens_per_s: float, matmul_params: int, gradient_checkpointing: bool, world: int, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation in [0, 1] per GPU, or None without a measured peak (see module doc)."""
+    if not peak_flops:
+        return None
+    k = 6 if gradient_checkpointing else 4
+    return tokens_per_s * k * matmul_params / world / peak_flops
+
+
+def eta(total_steps: int, s_per_step: float, save_steps: int, save_s: float) -> dict:
+    """Full-run estimate: steps x s/step + floor(steps / save_steps) x save time, in s and h."""
+    saves = total_steps // save_steps if save_steps else 0
+    total = total_steps * s_per_step + saves * save_s
+    return {"total_steps": total_steps, "checkpoints": saves, "train_s": total_steps * s_per_step,
+            "save_s": saves * save_s, "total_s": total, "total_h": total / 3600}
+
+
+def total_steps(stats: dict, cfg: Any) -> int:
+    if cfg.max_steps and cfg.max_steps > 0:
+        return cfg.max_steps
+    import math
+
+    return math.ceil(stats["steps_per_epoch"] * cfg.num_train_epochs)
+
+
+def fmt_h(seconds: float) -> str:
+    h, rem = divmod(int(round(seconds)), 3600)
+    return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"
+
+
+def write(out_dir: Path, name: str, ledger: dict, markdown: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False, default=str))
+    (out_dir / f"{name}.md").write_text(markdown)
