@@ -151,7 +151,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        out[key.strip()] = yaml.safe_load(raw) if raw != "" else None
+        value = yaml.safe_load(raw) if raw != "" else None
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean a number
+                value = float(value)
+            except ValueError:
+                pass
+        out[key.strip()] = value
     return out
 
 

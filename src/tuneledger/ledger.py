@@ -82,9 +82,9 @@ def summarize_run(result: dict, warmup: int) -> dict:
         "sync_wait_s": max(0.0, sync_extra - ar_s),
         "optimizer_s": _mean(opt),
     }
-    parts["other_s"] = max(0.0, s_step - parts["forward_backward_s"] - parts["allreduce_s"] - parts["sync_wait_s"] - parts["optimizer_s"])
-    parts["method"] = method
     parts["data_wait_s"] = _mean([s["data_wait_s"] for s in steady])
+    parts["other_s"] = max(0.0, s_step - sum(parts[k] for k in ("forward_backward_s", "allreduce_s", "sync_wait_s", "optimizer_s", "data_wait_s")))
+    parts["method"] = method
     return {
         "steps_measured": len(steady), "warmup_steps_excluded": warmup, "window_s": window,
         "s_per_step": s_step, "step_spread": _spread(per_step),

@@ -40,7 +40,7 @@ def render(prep: Prepared, cfg: JobConfig) -> None:
     from rich.table import Table
 
     r = prep.report
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     t = Table(title=f"tuneledger stats: {', '.join(cfg.dataset)}", show_header=False, title_justify="left")
     t.add_column("what", style="bold")
     t.add_column("value", justify="right")

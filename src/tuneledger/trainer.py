@@ -150,6 +150,18 @@ class TokenSnapshot(TrainerCallback):
         t.step_tokens.append(t.tokens.clone())
 
 
+class CrashAfterStep(TrainerCallback):
+    """Fault injection for the resume test: TUNELEDGER_CRASH_AFTER_STEP=N kills the process
+    (os._exit, no cleanup, like a machine shutdown) once step N and its checkpoint are done."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            os._exit(3)
+
+
 # ------------------------------------------------------------------------------------ pieces
 def make_collator(cfg: JobConfig, tokenizer: Any) -> Any:
     """Padded micro-batches (DataCollatorForSeq2Seq), or padding-free packing of whole samples.
@@ -167,8 +179,10 @@ def make_collator(cfg: JobConfig, tokenizer: Any) -> Any:
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
-def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str) -> TrainingArguments:
+def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str, save: bool = True) -> TrainingArguments:
     dryrun = mode == "dryrun"
+    # transformers 5 takes the TensorBoard directory from the environment only.
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out_dir / "tensorboard"))
     return TrainingArguments(
         output_dir=str(out_dir),
         per_device_train_batch_size=cfg.per_device_train_batch_size,
@@ -182,10 +196,9 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         optim=cfg.optim if cuda else "adamw_torch",
         bf16=cfg.bf16 and cuda,
         logging_steps=cfg.logging_steps,
-        logging_dir=str(out_dir / "tensorboard"),
         report_to=report_to,
         # The dry-run saves exactly once, at its last step, to time one real checkpoint.
-        save_strategy="steps",
+        save_strategy="steps" if save else "no",
         save_steps=cfg.dryrun_steps if dryrun else cfg.save_steps,
         save_total_limit=cfg.save_total_limit,
         seed=cfg.seed,
@@ -221,6 +234,28 @@ def last_checkpoint(out_dir: Path) -> str | None:
     """The newest complete checkpoint-N in out_dir (one with trainer_state.json), or None."""
     done = [p for p in out_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file() and p.name.split("-")[-1].isdigit()]
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+
+
+def bench_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float | None:
+    """Measured dense bf16 matmul rate of this GPU (TFLOP/s, 2 n^3 per product, median of `iters`),
+    the MFU denominator. Random data: zeros run faster and would flatter the peak."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
 
 
 def bench_allreduce(nbytes: int, device: torch.device, iters: int = 20) -> dict:
@@ -294,10 +329,12 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     clock = Clock(cuda)
     timer = StepTimer(clock)
     ref: list = []
-    trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to), train_dataset=ds,
+    trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
                             callbacks=[timer, TokenSnapshot(ref)], n_params=info["total_params"])
     ref.append(trainer)
+    if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
+        trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     resume = None
@@ -326,13 +363,14 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         per_rank = [local]
     grad_bytes = info["trainable_params"] * 4  # LoRA weights and their grads are fp32
     allreduce = bench_allreduce(grad_bytes, device) if mode == "dryrun" else {}
+    peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 and job.get("save", True) else None
     ckpt = last_checkpoint(out_dir)
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
     return {
         "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
         "train_loss": out.training_loss, "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
         "checkpoint_bytes": ckpt_bytes, "allreduce": allreduce, "report_to": report_to,
-        "config": cfg.model_dump(), "resumed_from": resume,
+        "config": cfg.model_dump(), "resumed_from": resume, "peak_tflops": peak,
     }
 
 

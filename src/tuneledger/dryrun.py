@@ -1,0 +1,301 @@
+"""`tuneledger dryrun`: a real training run of N optimizer steps per preset, measured, with an ETA.
+
+For each preset (A-D, or `--preset all`), on every visible GPU through torchrun (gloo processes
+on a CPU): load the model as training would, train `dryrun_steps` steps, time each part, save one
+real checkpoint, and extrapolate the full run from the `stats` numbers. `all` ranks the presets
+by measured tokens/s, because the field report's author predicted B and C would halve the time
+and measurement proved him wrong.
+
+Writes runs/<run_name>/dryrun.json and dryrun.md (versions, GPUs, topology, config, data hash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tuneledger import ledger
+from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cli, resolve
+from tuneledger.launch import default_nproc, run_workers, visible_gpus
+from tuneledger.ledger import CAP_24GB_GIB, fmt_h
+from tuneledger.model import PreflightError
+from tuneledger.preflight import run_checks
+from tuneledger.stats import gate, load_prepared
+
+FIT_PROBE_STEPS = 3
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "flash-attn", "tuneledger"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return out
+
+
+def topology() -> dict:
+    """`nvidia-smi topo -m` and the link it shows between GPUs: NVLink, PCIe, or n/a."""
+    try:
+        text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {"link": "n/a (no nvidia-smi)", "matrix": ""}
+    rows = [line.split() for line in text.splitlines() if line.startswith("GPU")]
+    cells = {c for row in rows for c in row[1:len(rows) + 1] if c != "X"}
+    if any(c.startswith("NV") for c in cells):
+        link = "NVLink (" + ", ".join(sorted(c for c in cells if c.startswith("NV"))) + ")"
+    elif cells:
+        link = "PCIe (" + ", ".join(sorted(cells)) + "; no NVLink)"
+    else:
+        link = "single GPU"
+    return {"link": link, "matrix": text}
+
+
+def preset_config(items: list[str], preset: str) -> JobConfig:
+    # The preset sits between the file and the user's own key=value overrides.
+    return from_cli([i for i in items if not i.startswith("preset=")] + [f"preset={preset}"])
+
+
+def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
+            probe_cap: float | None = None) -> tuple[int, dict | None]:
+    """One torchrun of the worker in dry-run mode; returns (exit code, result or None)."""
+    tag = f"{cfg.preset}{'-cap' if probe_cap else ''}"
+    run_dir = out_root / "dryrun" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if probe_cap:
+        cfg = cfg.model_copy(update={"memory_cap_gib": probe_cap, "dryrun_steps": FIT_PROBE_STEPS, "dryrun_warmup_steps": 0})
+    job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
+           "result_path": str(run_dir / "result.json"), "cpu": cpu, "save": not probe_cap}
+    rc = run_workers(job, run_dir / "job.json", nproc, log)
+    result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
+    # The checkpoint was written only to be timed and weighed; its size is in the result.
+    for ckpt in run_dir.glob("checkpoint-*"):
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return rc, result
+
+
+def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
+    """One preset's ledger row from its worker result."""
+    s = ledger.summarize_run(result, cfg.dryrun_warmup_steps)
+    model = result["model"]
+    save_s = result["save_s"][0] if result["save_s"] else 0.0
+    e = ledger.eta(ledger.total_steps(stats, cfg), s["s_per_step"], cfg.save_steps, save_s)
+    peak = result.get("peak_tflops")
+    u = ledger.mfu(s["tokens_per_s"], model["matmul_params"], cfg.gradient_checkpointing, world, peak * 1e12 if peak else None)
+    return {
+        "preset": cfg.preset, "micro_batch": cfg.per_device_train_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_checkpointing": cfg.gradient_checkpointing, "packing": cfg.packing,
+        **s, "mfu": u, "peak_tflops_measured": peak,
+        "save_s": save_s, "checkpoint_bytes": result["checkpoint_bytes"], "eta": e,
+        "train_loss": result["train_loss"], "model": model, "allreduce": result.get("allreduce") or {},
+        "gpu_util": result.get("gpu_util"), "config": cfg.model_dump(),
+    }
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:.1%}" if x else "-"
+
+
+def markdown(led: dict) -> str:
+    rows = [r for r in led["presets"] if "s_per_step" in r]
+    synth = " (SYNTHETIC weights: speed and memory are the real architecture's, outputs are noise)" if led["synthetic"] else ""
+    lines = [
+        f"# Dry-run ledger: {led['run_name']}", "",
+        f"- date: {led['date']}; host: {led['host']}",
+        f"- model: {led['model']}{synth}",
+        f"- hardware: {led['world_size']} x {led['gpu']}; link: {led['topology']['link']}",
+        f"- data: {', '.join(led['dataset'])} ({led['stats']['records']['valid']:,} records, {led['stats']['tokens']['trained']:,} tokens, "
+        f"{led['stats']['steps_per_epoch']:,} steps/epoch at global batch {led['global_batch_size']}); cache {led['data_hash']}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in led['versions'].items() if v)}",
+        f"- steady state: {led['dryrun_steps']} steps per preset, first {led['warmup_steps']} excluded (compilation, allocator warm-up)",
+        "", "| preset | micro-batch x accum | GC | packing | s/step | tokens/s | tokens/s/GPU | MFU | peak mem (MiB) | fits 24 GB | save (s) | ckpt (GB) | ETA |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
+        mem = max((m["peak_allocated"] or 0) for m in r["memory_mib"]) or "-"
+        lines.append(
+            f"| {r['preset']} | {r['micro_batch']} x {r['gradient_accumulation_steps']} | {'on' if r['gradient_checkpointing'] else 'off'} "
+            f"| {'on' if r['packing'] else 'off'} | {r['s_per_step']:.3f} (p10-p90 {r['step_spread']['p10']:.3f}-{r['step_spread']['p90']:.3f}) "
+            f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {_pct(r['mfu'])} | {mem} "
+            f"| {r.get('fits_24gb_note', '-')} | {r['save_s']:.1f} | {r['checkpoint_bytes'] / 1e9:.2f} | {fmt_h(r['eta']['total_s'])} |")
+    for r in led["presets"]:
+        if "skipped" in r:
+            lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
+    lines += ["", "## Where the step time goes (seconds per optimizer step, steady state)", "",
+              "| preset | forward+backward (per micro-batch x n) | all-reduce | sync wait | optimizer | other | data wait | all-reduce bus GB/s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        p = r["split"]
+        bw = r["allreduce"].get("busbw_gbs")
+        lines.append(f"| {r['preset']} | {p['forward_backward_s']:.3f} ({p['forward_backward_per_micro_s']:.3f} x {p['micro_batches_per_step']}) "
+                     f"| {p['allreduce_s']:.4f} | {p['sync_wait_s']:.4f} | {p['optimizer_s']:.4f} | {p['other_s']:.4f} | {p['data_wait_s']:.4f} "
+                     f"| {bw if bw is None else round(bw, 1)} |")
+    if rows:
+        lines += ["", f"Split method: {rows[0]['split']['method']}. The all-reduce is timed on the training process group with the "
+                  "gradient's size; 'sync wait' is what the synchronising micro-batch costs beyond forward+backward and the all-reduce "
+                  "(mostly waiting for the slower rank)."]
+    if led.get("verdicts"):
+        lines += ["", "## Verdict", ""] + [f"- **{p}**: {v}" for p, v in led["verdicts"].items()]
+    if led.get("finding"):
+        lines += ["", f"**Finding:** {led['finding']}"]
+    lines += ["", "## Config (before presets; each preset's resolved config is in dryrun.json)", "", "```json",
+              json.dumps(led["config"], indent=1), "```", "",
+              "## Topology", "", "```", led["topology"]["matrix"].strip() or "n/a", "```", ""]
+    return "\n".join(lines)
+
+
+def finding(rows: list[dict]) -> str | None:
+    """The one sentence the user must not miss: which preset wins, and by how much over A."""
+    done = [r for r in rows if "tokens_per_s" in r]
+    if len(done) < 2:
+        return None
+    best = max(done, key=lambda r: r["tokens_per_s"])
+    base = next((r for r in done if r["preset"] == "A"), None)
+    text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
+    if base and base is not best:
+        text += f", {best['tokens_per_s'] / base['tokens_per_s']:.2f}x preset A's {base['tokens_per_s']:,.0f}"
+        text += f"; its ETA is {fmt_h(best['eta']['total_s'])} against A's {fmt_h(base['eta']['total_s'])}"
+    low = [r for r in done if r.get("mfu") is not None and r["mfu"] < 0.15]
+    if low:
+        text += (". MFU under 15% for " + ", ".join(r["preset"] for r in low) +
+                 ": those micro-batches leave this GPU mostly idle; measure, don't carry presets over from 24 GB cards")
+    return text + "."
+
+
+def print_table(led: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"dry-run ledger: {led['world_size']} x {led['gpu']}{'  [SYNTHETIC model]' if led['synthetic'] else ''}",
+              title_justify="left")
+    for col in ("rank", "preset", "mb x accum", "GC", "pack", "s/step", "tokens/s", "tok/s/GPU", "MFU", "peak MiB", "fits 24GB",
+                "save s", "ETA"):
+        t.add_column(col, justify="right")
+    rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
+    for i, r in enumerate(rows, 1):
+        mem = max((m["peak_allocated"] or 0) for m in r["memory_mib"])
+        t.add_row(str(i), r["preset"], f"{r['micro_batch']} x {r['gradient_accumulation_steps']}",
+                  "on" if r["gradient_checkpointing"] else "off", "on" if r["packing"] else "off",
+                  f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                  f"{r['mfu']:.1%}" if r["mfu"] else "-", f"{mem:,}" if mem else "-", str(r.get("fits_24gb_note", "-")),
+                  f"{r['save_s']:.1f}", fmt_h(r["eta"]["total_s"]))
+    for r in led["presets"]:
+        if "skipped" in r:
+            t.add_row("-", r["preset"], f"skipped: {r['skipped']}", *[""] * 10)
+    # A pipe or a log file gets the full width rather than an 80-column wrap.
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    if rows:
+        r = rows[0]
+        print(f"total steps {r['eta']['total_steps']:,} ({r['eta']['checkpoints']} checkpoints of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
+              f"steady state after {led['warmup_steps']} warm-up steps; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
+              f"({r['model']['trainable_pct']}%); attention {r['model']['attention']}")
+    if led.get("finding"):
+        print(f"FINDING: {led['finding']}")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = from_cli(args.items)
+    cpu = args.cpu or visible_gpus() == 0
+    nproc = args.nproc or default_nproc(cpu)
+    names = list(PRESETS) if args.preset == "all" else [(args.preset or base.preset or "A").upper()]
+    out_root = base.out_dir
+    out_root.mkdir(parents=True, exist_ok=True)
+    log = out_root / "dryrun.log"
+    log.write_text("")
+    try:
+        for line in run_checks(base, cuda=not cpu):
+            print(f"preflight ok: {line}")
+        prep = load_prepared(base)
+    except PreflightError as e:
+        print(f"tuneledger dryrun: preflight failed: {e}", file=sys.stderr)
+        return 1
+    problem = gate(prep, base)
+    if problem:
+        print(f"tuneledger dryrun: {problem}", file=sys.stderr)
+        return 1
+    stats = prep.report
+    print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
+          f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
+    topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
+    rows, results = [], {}
+    for name in names:
+        try:
+            cfg = resolve(preset_config(args.items, name), nproc)
+        except ConfigError as e:
+            print(f"preset {name}: skipped: {e}")
+            rows.append({"preset": name, "skipped": str(e)})
+            continue
+        print(f"\n=== preset {name}: {describe(cfg, nproc)}", flush=True)
+        started = datetime.now(timezone.utc)
+        rc, result = run_one(cfg, prep.path, nproc, cpu, out_root, log)
+        ended = datetime.now(timezone.utc)
+        if result is None:
+            print(f"preset {name}: worker failed (exit {rc}); see {log}")
+            rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
+            continue
+        row = entry(cfg, result, stats, nproc)
+        row["window"] = {"label": f"preset {name}", "start": started.isoformat(), "end": ended.isoformat()}
+        if cpu:
+            row["fits_24gb"], row["fits_24gb_note"] = None, "n/a (CPU)"
+        else:
+            peak_gib = max(m["peak_allocated"] for m in row["memory_mib"]) / 1024
+            if peak_gib >= CAP_24GB_GIB:
+                row["fits_24gb"], row["fits_24gb_note"] = False, f"no (needs {peak_gib:.1f} GiB)"
+            elif args.no_fit_check:
+                row["fits_24gb"], row["fits_24gb_note"] = None, f"unproved ({peak_gib:.1f} GiB peak)"
+            else:
+                prc, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, probe_cap=CAP_24GB_GIB)
+                row["fits_24gb"] = prc == 0
+                row["fits_24gb_note"] = f"{'yes' if prc == 0 else 'no'} (proved under a {CAP_24GB_GIB:g} GiB cap)"
+        rows.append(row)
+        results[name] = result
+        print(f"preset {name}: {row['s_per_step']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s "
+              f"({row['tokens_per_s_per_gpu']:,.0f}/GPU), ETA {fmt_h(row['eta']['total_s'])}", flush=True)
+
+    done = [r for r in rows if "s_per_step" in r]
+    first = next(iter(results.values()), None)
+    led = {
+        "run_name": base.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "model": base.model_name_or_path,
+        "synthetic": bool(first and first["model"]["synthetic"]),
+        "world_size": nproc, "backend": "gloo" if cpu else "nccl",
+        "gpu": first["ranks"][0]["gpu_name"] if first else ("cpu" if cpu else "?"),
+        "topology": topo, "versions": versions(), "dataset": base.dataset, "data_hash": stats["cache_key"],
+        "data_files": stats["data_files"], "stats": stats, "global_batch_size": base.global_batch_size,
+        "dryrun_steps": base.dryrun_steps, "warmup_steps": base.dryrun_warmup_steps,
+        "config": base.model_dump(), "presets": rows, "finding": finding(rows),
+        "windows": [r["window"] for r in done],
+    }
+    ledger.write(out_root, "dryrun", led, markdown(led))
+    print()
+    print_table(led)
+    print(f"wrote {out_root / 'dryrun.json'}, {out_root / 'dryrun.md'} and {log}")
+    return 0 if done else 1
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("dryrun", help="measure N real training steps per preset: s/step, tokens/s, memory, save, ETA")
+    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--preset", help="A, B, C, D, or all (default: the config's preset)")
+    p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
+    p.add_argument("--no-fit-check", action="store_true", help="skip the capped run that proves a 24 GB fit")
+    p.set_defaults(func=run)

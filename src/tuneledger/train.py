@@ -1,0 +1,66 @@
+"""`tuneledger train`: the full run, pure DDP, one process per GPU, resumable.
+
+Checks first (preflight), then prepares the data once in this process (the ranks only load the
+cache), then starts the ranks with torchrun. A run started again with the same run_name resumes
+from its last complete checkpoint (`resume_from_checkpoint: auto`; `never` starts over, a path
+picks one). Logs carry loss, tokens/s and the ETA; TensorBoard events go to
+runs/<run_name>/tensorboard. Writes runs/<run_name>/train.json at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tuneledger.config import describe, from_cli, resolve
+from tuneledger.launch import default_nproc, run_workers, visible_gpus
+from tuneledger.ledger import total_steps
+from tuneledger.model import PreflightError
+from tuneledger.preflight import run_checks
+from tuneledger.stats import gate, load_prepared
+
+
+def run(args: argparse.Namespace) -> int:
+    base = from_cli(args.items)
+    cpu = args.cpu or visible_gpus() == 0
+    nproc = args.nproc or default_nproc(cpu)
+    cfg = resolve(base, nproc)
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for line in run_checks(cfg, cuda=not cpu):
+            print(f"preflight ok: {line}")
+        prep = load_prepared(cfg)
+    except PreflightError as e:
+        print(f"tuneledger train: preflight failed: {e}", file=sys.stderr)
+        return 1
+    problem = gate(prep, cfg)
+    if problem:
+        print(f"tuneledger train: {problem}", file=sys.stderr)
+        return 1
+    steps = total_steps(prep.report, cfg)
+    print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
+          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
+    print(describe(cfg, nproc), flush=True)
+    job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
+           "result_path": str(out / "train.json"), "cpu": cpu}
+    rc = run_workers(job, out / "job.json", nproc, out / "train.log")
+    if rc != 0:
+        print(f"tuneledger train: a rank failed (exit {rc}); the log is {out / 'train.log'}. "
+              "Start the same command again to resume from the last checkpoint.", file=sys.stderr)
+        return rc
+    result = json.loads((out / "train.json").read_text())
+    print(f"done: {result['global_step']} steps, train loss {result['train_loss']:.4f}, last checkpoint "
+          f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("train", help="the full DDP LoRA/QLoRA run; resumes from the last checkpoint")
+    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU through gloo even if GPUs are visible")
+    p.set_defaults(func=run)
+

@@ -1,0 +1,83 @@
+from pathlib import Path
+
+import pytest
+
+from tuneledger.config import PRESETS, ConfigError, from_cli, load_config, parse_overrides, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+REF = ROOT / "configs" / "qwen2.5-7b-qlora.yaml"
+
+
+def test_reference_config_is_the_field_report_job():
+    cfg = load_config(REF)
+    assert cfg.model_name_or_path == "Qwen/Qwen2.5-7B-Instruct"
+    assert (cfg.quantization_bit, cfg.quantization_type, cfg.double_quantization, cfg.bf16) == (4, "nf4", True, True)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target) == (64, 128, 0.05, "all")
+    assert (cfg.global_batch_size, cfg.learning_rate, cfg.lr_scheduler_type, cfg.save_steps) == (16, 1e-4, "cosine", 200)
+
+
+@pytest.mark.parametrize("preset,world,micro,accum,gc,packing", [
+    ("A", 8, 1, 2, True, False),   # the field report's run: bs1 x accum2 x 8 GPUs = 16
+    ("A", 1, 1, 16, True, False),  # its earlier single-GPU run: bs1 x accum16
+    ("B", 8, 2, 1, True, False),
+    ("C", 8, 2, 1, False, False),
+    ("C", 2, 2, 4, False, False),
+    ("D", 1, 8, 2, False, True),
+    ("D", 2, 8, 1, False, True),
+    ("D", 4, 4, 1, False, True),   # D's micro-batch is capped so the global batch stays 16
+    ("D", 8, 2, 1, False, True),
+])
+def test_presets_keep_the_global_batch(preset, world, micro, accum, gc, packing):
+    cfg = resolve(load_config(REF, [f"preset={preset}"]), world)
+    assert cfg.per_device_train_batch_size == micro
+    assert cfg.gradient_accumulation_steps == accum
+    assert micro * accum * world == cfg.global_batch_size == 16
+    assert (cfg.gradient_checkpointing, cfg.packing) == (gc, packing)
+
+
+def test_indivisible_accumulation_names_all_three_numbers():
+    cfg = load_config(REF, ["preset=C", "global_batch_size=12"])
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, 8)
+    msg = str(e.value)
+    assert "global batch 12" in msg and "micro-batch 2" in msg and "world size 8" in msg
+
+
+def test_explicit_accumulation_must_agree():
+    with pytest.raises(ConfigError, match="contradicts"):
+        resolve(load_config(REF, ["preset=A", "gradient_accumulation_steps=4"]), 8)
+    assert resolve(load_config(REF, ["preset=A", "gradient_accumulation_steps=2"]), 8).gradient_accumulation_steps == 2
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'lora_rnak' in command-line overrides. Did you mean 'lora_rank'"):
+        load_config(REF, ["lora_rnak=8"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_name_or_path: x\ndataset: a.json\nper_device_batch_size: 2\n")
+    with pytest.raises(ConfigError, match=f"unknown key 'per_device_batch_size' in {bad}. Did you mean 'per_device_train_batch_size'"):
+        load_config(bad)
+
+
+def test_overrides_win_over_preset_and_file():
+    cfg = load_config(REF, ["preset=C", "per_device_train_batch_size=4", "learning_rate=2e-4", "max_steps=100"])
+    assert (cfg.preset, cfg.per_device_train_batch_size, cfg.gradient_checkpointing) == ("C", 4, False)
+    assert cfg.learning_rate == 2e-4 and cfg.max_steps == 100
+
+
+def test_parse_overrides_reads_yaml_scalars():
+    assert parse_overrides(["a=1e-4", "b=true", "c=null", "d=x,y", "e=[1, 2]"]) == {"a": 1e-4, "b": True, "c": None, "d": "x,y", "e": [1, 2]}
+    with pytest.raises(ConfigError, match="not key=value"):
+        parse_overrides(["novalue"])
+
+
+def test_bad_values_name_the_key():
+    with pytest.raises(ConfigError, match="per_device_train_batch_size: .*> 0"):
+        load_config(REF, ["per_device_train_batch_size=0"])
+    with pytest.raises(ConfigError, match="unknown preset 'E'"):
+        load_config(REF, ["preset=E"])
+
+
+def test_from_cli_takes_file_and_overrides():
+    cfg = from_cli([str(REF), "preset=B", "dataset=a.json,b.jsonl"])
+    assert cfg.preset == "B" and cfg.dataset == ["a.json", "b.jsonl"]
+    assert set(PRESETS) == {"A", "B", "C", "D"}
