@@ -1,0 +1,39 @@
+"""Check that every setting has one default: Dockerfile ARGs, docker-compose.yml and .env.example.
+
+Run by `make lint`. Fails when docker-compose.yml reads a variable that .env.example does not
+document, or when a default differs between the three files (e.g. a new flash-attn wheel in the
+Dockerfile but the old one in compose).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+# Build args that compose fills from a differently named setting.
+ARG_FROM_SETTING = {"USER_UID": "HOST_UID", "USER_GID": "HOST_GID"}
+
+
+def main(root: Path) -> int:
+    args = {m[1]: m[2].strip('"') for m in re.finditer(r"^ARG (\w+)=(.*)$", (root / "Dockerfile").read_text(), re.M)}
+    compose = {m[1]: m[2] for m in re.finditer(r"\$\{(\w+):?-([^}]*)\}", (root / "docker-compose.yml").read_text())}
+    env = {m[1]: m[2] for m in re.finditer(r"^(\w+)=(.*)$", (root / ".env.example").read_text(), re.M)}
+    problems = [f"docker-compose.yml reads {name}, which .env.example does not document"
+                for name in compose if name not in env]
+    for name, value in compose.items():
+        if name in env and env[name] != value:
+            problems.append(f"{name}: .env.example says {env[name]!r}, docker-compose.yml defaults to {value!r}")
+    for arg, value in args.items():
+        setting = ARG_FROM_SETTING.get(arg, arg)
+        if setting in env and env[setting] != value:
+            problems.append(f"{setting}: .env.example says {env[setting]!r}, the Dockerfile's ARG {arg} defaults to {value!r}")
+    for p in problems:
+        print(f"check-settings: {p}", file=sys.stderr)
+    if not problems:
+        print(f"check-settings: {len(env)} settings, one default each in Dockerfile, docker-compose.yml, .env.example")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")))
