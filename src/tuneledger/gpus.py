@@ -114,7 +114,8 @@ def render(judged: list[dict], max_used_mib: float, stream: Any) -> None:
                   f"{r['util_gpu_pct']}%" if r.get("util_gpu_pct") is not None else "-",
                   str(r["n_procs"]) if r.get("n_procs") is not None else "-",
                   f"[{style[r['verdict']]}]{r['reason']}[/]")
-    Console(file=stream, width=160).print(t)
+    # Auto width on a terminal; 160 columns into a pipe or file, so reasons are not cut short.
+    Console(file=stream, width=None if getattr(stream, "isatty", lambda: False)() else 160).print(t)
 
 
 def add_parser(sub: Any) -> None:

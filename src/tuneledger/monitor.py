@@ -900,6 +900,15 @@ def plot(rows: list[dict], out: str | Path, windows: Iterable[tuple[str, datetim
             if ref:
                 ax.plot(s["t"], s[ref], color=color, lw=0.8, ls="--", alpha=0.6)
     axes[0].set_ylim(-3, 103)
+    try:  # the diagnosis's util thresholds, so the verdict can be read off the plot
+        from tuneledger.diagnose import load_thresholds
+        th = load_thresholds()
+        for y, what in ((th.compute_util_pct, "compute-bound"), (th.host_util_pct, "host-bound below")):
+            axes[0].axhline(y, color="grey", lw=0.7, ls=":")
+            axes[0].text(0.003, y, f"{y:g}%: {what}", transform=axes[0].get_yaxis_transform(), fontsize=7,
+                         va="bottom", color="grey")
+    except Exception:
+        pass  # a bad thresholds file must not cost the plot
     if bad_times:
         axes[0].plot(bad_times, [0] * len(bad_times), "x", color="red", ms=5, label="unavailable")
     for ax, (_, _, ylabel) in zip(axes, panels):
@@ -910,9 +919,10 @@ def plot(rows: list[dict], out: str | Path, windows: Iterable[tuple[str, datetim
             ax.axvspan(start, end, color=f"C{(j + 3) % 10}", alpha=0.12, lw=0)
         axes[0].text(start, 1.01, label, transform=axes[0].get_xaxis_transform(), fontsize=8, va="bottom")
     axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    axes[-1].xaxis.set_major_locator(AutoDateLocator())
-    axes[-1].xaxis.set_major_formatter(DateFormatter("%m-%d %H:%M:%S", tz=UTC))
-    axes[-1].set_xlabel("time (UTC)")
+    days = sorted({t.date() for s in series.values() for t in s["t"]})
+    axes[-1].xaxis.set_major_locator(AutoDateLocator(maxticks=12))
+    axes[-1].xaxis.set_major_formatter(DateFormatter("%H:%M:%S" if len(days) == 1 else "%m-%d %H:%M", tz=UTC))
+    axes[-1].set_xlabel(f"time (UTC, {days[0]})" if len(days) == 1 else "time (UTC)")
     fig.suptitle(title or f"tuneledger monitor: {', '.join(sorted(hosts))}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

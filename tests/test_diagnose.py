@@ -1,0 +1,136 @@
+"""The bottleneck rules on the traces in tests/fixtures/diagnosis_traces.yaml (H200 baseline and
+field-report numbers, plus marked synthetic and hypothetical cases), the thresholds file, and the
+join from monitor samples to a verdict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tuneledger.config import ConfigError
+from tuneledger.diagnose import BOTTLENECKS, DiagnosisThresholds, diagnose, load_thresholds
+from tuneledger.monitor import read_rows, summarize_window
+
+ROOT = Path(__file__).parents[1]
+FIX = Path(__file__).parent / "fixtures"
+TRACES = yaml.safe_load((FIX / "diagnosis_traces.yaml").read_text())
+
+
+@pytest.mark.parametrize("case", TRACES, ids=[c["name"] for c in TRACES])
+def test_recorded_traces(case):
+    d = diagnose(case["inputs"], load_thresholds(ROOT / "configs" / "diagnosis.yaml"))
+    assert d["bottleneck"] == case["expect"], d["line"]
+    assert d["line"].startswith(case["expect"] + ": ")
+    assert "\n" not in d["line"] and "\n" not in d["lever"]
+    assert d["inferred"] == case.get("inferred", False)
+    assert d["util_available"] == (case["inputs"]["util_mean_pct"] is not None)
+    for s in case.get("line_has", []):
+        assert s in d["line"], d["line"]
+    for s in case.get("lever_has", []):
+        assert s in d["lever"], d["lever"]
+    for s in case.get("lever_lacks", []):
+        assert s not in d["lever"], d["lever"]
+
+
+def test_line_carries_the_numbers():
+    d = diagnose({"util_mean_pct": 25.4, "mem_peak_frac": 0.078, "allreduce_share": 0.04, "data_wait_share": 0.01,
+                  "micro_batch": 1, "gradient_checkpointing": True, "mfu": 0.058})
+    assert d["line"] == ("host-bound: the GPU is busy only 25% of the time (< 75%) and neither data wait nor all-reduce "
+                         "explains it: it idles between many small kernels the host launches [GPU util 25%; memory peak "
+                         "8% of the GPU; all-reduce + sync 4% of a step; data wait 1%; micro-batch 1; GC on; MFU 5.8%]")
+    assert d["lever"].startswith("a bigger micro-batch than 1 (peak memory 8% leaves room), packing, gradient checkpointing off")
+
+
+def test_every_verdict_is_reachable_and_known():
+    seen = {c["expect"] for c in TRACES}
+    assert seen == set(BOTTLENECKS)
+
+
+def test_precedence_measured_loss_outranks_util():
+    base = {"util_mean_pct": 96, "mem_peak_frac": 0.95, "allreduce_share": 0.25, "data_wait_share": 0.15, "micro_batch": 2,
+            "gradient_checkpointing": False}
+    assert diagnose(base)["bottleneck"] == "communication-bound"
+    assert diagnose({**base, "allreduce_share": 0.1})["bottleneck"] == "input-bound"
+    assert diagnose({**base, "allreduce_share": 0.1, "data_wait_share": 0.0})["bottleneck"] == "memory-bound"
+    assert diagnose({**base, "allreduce_share": 0.1, "data_wait_share": 0.0, "mem_peak_frac": 0.5})["bottleneck"] == "compute-bound"
+
+
+def test_threshold_edges():
+    t = DiagnosisThresholds()
+    at = lambda **kw: diagnose({"allreduce_share": 0.0, "data_wait_share": 0.0, "mem_peak_frac": 0.5, **kw}, t)["bottleneck"]  # noqa: E731
+    assert at(util_mean_pct=90) == "compute-bound"
+    assert at(util_mean_pct=75) == "compute-bound"
+    assert at(util_mean_pct=74.9) == "host-bound"
+    assert at(util_mean_pct=50, allreduce_share=0.20) == "communication-bound"
+    assert at(util_mean_pct=50, allreduce_share=0.199) == "host-bound"
+    assert at(util_mean_pct=50, data_wait_share=0.10) == "input-bound"
+    assert at(util_mean_pct=50, mem_peak_frac=0.90) == "memory-bound"
+
+
+def test_memory_bound_levers_fit_the_config():
+    mem = {"util_mean_pct": 60, "mem_peak_frac": 0.97, "allreduce_share": 0.0, "data_wait_share": 0.0}
+    assert diagnose({**mem, "micro_batch": 4, "gradient_checkpointing": False})["lever"] == \
+        "gradient checkpointing on, or a smaller micro-batch (accumulation keeps the global batch)"
+    assert diagnose({**mem, "micro_batch": 4, "gradient_checkpointing": True})["lever"].startswith("a smaller micro-batch")
+    assert "shorter cutoff_len" in diagnose({**mem, "micro_batch": 1, "gradient_checkpointing": True})["lever"]
+
+
+def test_imbalance_is_named():
+    d = diagnose({"util_mean_pct": 60, "mem_peak_frac": 0.3, "allreduce_share": 0.3, "data_wait_share": 0.0,
+                  "imbalance": True, "util_spread_pts": 22.5})
+    assert "util imbalanced across GPUs (22 points)" in d["line"] and d["lever"].startswith("first find the slow GPU")
+
+
+def test_empty_inputs_are_unknown():
+    d = diagnose({})
+    assert d["bottleneck"] == "unknown" and "unavailable" in d["line"] and not d["util_available"]
+
+
+def test_thresholds_file_matches_the_code_defaults():
+    # configs/diagnosis.yaml documents the defaults; they must not drift apart
+    assert load_thresholds(ROOT / "configs" / "diagnosis.yaml") == DiagnosisThresholds()
+
+
+def test_thresholds_default_path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert load_thresholds() == DiagnosisThresholds()  # no configs/ here: the defaults
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "diagnosis.yaml").write_text("compute_util_pct: 95\n")
+    assert load_thresholds().compute_util_pct == 95
+
+
+def test_thresholds_errors(tmp_path):
+    p = tmp_path / "t.yaml"
+    p.write_text("compute_util: 95\n")
+    with pytest.raises(ConfigError, match="compute_util"):
+        load_thresholds(p)
+    p.write_text("host_util_pct: 95\n")
+    with pytest.raises(ConfigError, match="must not exceed"):
+        load_thresholds(p)
+    p.write_text("memory_frac: 1.5\n")
+    with pytest.raises(ConfigError, match="memory_frac"):
+        load_thresholds(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_thresholds(tmp_path / "nope.yaml")
+
+
+def test_a_stricter_threshold_changes_the_verdict():
+    inputs = {"util_mean_pct": 92, "mem_peak_frac": 0.833, "allreduce_share": 0.02, "data_wait_share": 0.01}
+    assert diagnose(inputs)["bottleneck"] == "compute-bound"
+    assert diagnose(inputs, DiagnosisThresholds(memory_frac=0.8))["bottleneck"] == "memory-bound"
+
+
+def test_monitor_window_to_verdict():
+    """What the dry-run does: join the monitor samples of a preset's window, then diagnose."""
+    rows = read_rows(FIX / "monitor_2xh200_synthetic.csv")
+    verdicts = {}
+    for name, start, end, mb, gc in (("A", "2026-11-29T10:00:30Z", "2026-11-29T10:02:25Z", 1, True),
+                                     ("D", "2026-11-29T10:02:30Z", "2026-11-29T10:04:25Z", 8, False)):
+        w = summarize_window(rows, start, end)
+        verdicts[name] = diagnose({"util_mean_pct": w["util_mean_pct"], "mem_peak_frac": w["mem_peak_frac"],
+                                   "allreduce_share": 0.03, "data_wait_share": 0.01, "micro_batch": mb,
+                                   "gradient_checkpointing": gc, "imbalance": w["imbalance"],
+                                   "util_spread_pts": w["util_spread_pts"]})["bottleneck"]
+    assert verdicts == {"A": "host-bound", "D": "compute-bound"}
