@@ -438,6 +438,19 @@ def test_summarize_window_counts_unavailable_samples():
     assert (g1["samples"], g1["unavailable_samples"], g1["util_mean_pct"]) == (1, 1, 0)
 
 
+def test_read_window_reads_only_the_days_and_host_asked(tmp_path):
+    for host in ("a", "b"):
+        mon, log = Monitor(two_gpus(), host), CsvLog(tmp_path, host)
+        for day in (28, 29, 30):
+            log.write(mon.poll(now=datetime(2026, 11, day, 23, 59, 0, tzinfo=timezone.utc)))
+        log.close()
+    (tmp_path / "notes.csv").write_text("not,a,monitor,file\n")  # ignored: no date in the name
+    rows = m.read_window(tmp_path, "2026-11-29T00:00:00Z", "2026-11-30T00:00:00Z", host="a")
+    assert {(r["host"], r["timestamp"]) for r in rows} == {("a", "2026-11-29T23:59:00.000Z")}
+    assert len(m.read_window(tmp_path, "2026-11-28T00:00:00Z", "2026-11-30T23:59:59Z")) == 12
+    assert m.read_window(tmp_path / "none", "2026-11-29T00:00:00Z", "2026-11-30T00:00:00Z") == []
+
+
 def test_visible_gpus():
     assert m.visible_gpus({}) is None
     assert m.visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]

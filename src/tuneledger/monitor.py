@@ -14,7 +14,8 @@ SIGINT end it after the current sample, with exit code 0. It runs at nice +10, s
 competes with a data loader for a core.
 
 Library use (the dry-run and train ledgers): `InProcessSampler` samples in a daemon thread,
-`read_rows` reads CSVs back, `summarize_window` reduces rows to per-GPU figures for a time window.
+`read_window` reads the sidecar's rows for a time window (`read_rows`: whole CSVs), and
+`summarize_window` reduces rows to per-GPU figures for a window.
 
 Exit codes: 0 stopped by --count, SIGTERM or SIGINT (or plot written); 1 plot: no GPU rows, a bad
 --window or --ledger.
@@ -640,6 +641,30 @@ def read_rows(paths: str | Path | Iterable[str | Path]) -> list[dict]:
     return rows
 
 
+_DATED = re.compile(r"-(\d{4}-\d\d-\d\d)(?:\.\d+)?\.csv$")
+
+
+def read_window(out_dir: str | Path, start_iso: str | datetime, end_iso: str | datetime,
+                host: str | None = None) -> list[dict]:
+    """The sidecar's rows between start and end (inclusive), reading only the daily files that can
+    hold them (<host>-<date>[.k].csv for the UTC dates of the window; any host unless given).
+    Returns [] when the folder or the files do not exist: no sidecar ran."""
+    t0, t1 = parse_time(start_iso), parse_time(end_iso)
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        return []
+    days = {t0.date().isoformat(), t1.date().isoformat()}
+    d = t0.date()
+    while d.isoformat() < t1.date().isoformat():  # windows that span more than two days
+        days.add(d.isoformat())
+        d = d.fromordinal(d.toordinal() + 1)
+    prefix = f"{_safe(host)}-" if host else ""
+    files = [f for f in sorted(folder.glob("*.csv"))
+             if (m := _DATED.search(f.name)) and m[1] in days and f.name.startswith(prefix)
+             and (not host or f.name[len(prefix):len(prefix) + 10] == m[1])]
+    return [r for r in (read_rows(files) if files else []) if t0 <= parse_time(r["timestamp"]) <= t1]
+
+
 # ------------------------------------------------------------------------------------- in-process
 class InProcessSampler:
     """Samples NVML in a daemon thread while a dry-run or train step loop runs in this process.
@@ -702,7 +727,8 @@ class InProcessSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.monitor.close()
+        if self._thread is None or not self._thread.is_alive():
+            self.monitor.close()  # else an NVML call hangs in the thread: leave NVML to it (a daemon)
         if self.log:
             self.log.close()
         return self.rows
