@@ -9,7 +9,19 @@ SHELL := /bin/bash
 PYTHON ?= $(shell for p in python3.10 $$HOME/.pyenv/versions/3.10.13/bin/python3.10 python3; do \
 	$$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
 VENV ?= .venv
-TL := $(VENV)/bin/tuneledger
+
+# Where the verbs run: in the `trainer` container (docker compose, the pinned image, every GPU) by
+# default; LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`
+# always runs in the host venv. Docker settings (GPUs, folders, mirrors) come from .env.
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+ifeq ($(LOCAL),1)
+EXEC = PATH="$(abspath $(VENV))/bin:$(CURDIR)/docker:$$PATH"
+ENV_DEP = $(VENV)/.stamp
+else
+EXEC = $(COMPOSE) run --rm trainer
+ENV_DEP = host-dirs
+endif
+TL = $(EXEC) tuneledger
 
 # With a GPU the default job is the reference QLoRA config on the synthetic Qwen2.5-7B; without
 # one it is the same job on a tiny random Qwen2 (CPU, gloo), so `make dryrun` runs anywhere.
@@ -32,7 +44,7 @@ OVERRIDES := model_name_or_path=$(MODEL) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
 
-.PHONY: help venv stats dryrun train test clean-cache
+.PHONY: help venv stats dryrun train test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
@@ -46,19 +58,19 @@ $(VENV)/.stamp: requirements.txt pyproject.toml
 
 venv: $(VENV)/.stamp ## create .venv from the lock (Python 3.10, hashes)
 
-models/synthetic-%/config.json: | $(VENV)/.stamp
+models/synthetic-%/config.json: | $(ENV_DEP)
 	$(TL) synth-model --arch $* models/synthetic-$*
 
 # The synthetic model is built only when the job uses it.
 MODEL_DEP := $(if $(filter $(SYNTH),$(MODEL)),$(SYNTH)/config.json)
 
-stats: $(VENV)/.stamp $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
+stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
 	$(TL) stats $(CONFIG) $(OVERRIDES)
 
-dryrun: $(VENV)/.stamp $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D)
+dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D)
 	$(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
 
-train: $(VENV)/.stamp $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
+train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
 	$(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
 
 test: $(VENV)/.stamp ## unit tests and tiny end-to-end runs on CPU
@@ -66,3 +78,56 @@ test: $(VENV)/.stamp ## unit tests and tiny end-to-end runs on CPU
 
 clean-cache: ## drop the tokenized-data cache
 	rm -rf .cache/tuneledger
+
+# ---- the container, the locks, lint ------------------------------------------------------------
+INTERVAL ?= 5
+monitor: $(ENV_DEP) ## sample every GPU into runs/monitor/ each INTERVAL=5 s (`docker compose up -d monitor` runs it beside a job)
+	$(TL) monitor --interval $(INTERVAL)
+
+fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or ModelScope with USE_MODELSCOPE_HUB=1)
+	$(EXEC) fetch-model $(MODEL)
+
+image: ## build the image: CUDA 12.1, Python 3.10, torch 2.5.1, the lock (mirrors and sources from .env)
+	$(COMPOSE) build trainer
+
+# Docker creates a missing bind-mount folder as root; create them first, as you.
+host-dirs:
+	@set -a; [ ! -f .env ] || . ./.env; mkdir -p "$${MODELS_DIR:-models}" "$${DATA_DIR:-data}" "$${RUNS_DIR:-runs}" "$${CACHE_DIR:-.cache}"
+
+# The locks: requirements.txt (the project's), and the image's docker/torch-cu121.txt (torch
+# 2.5.1+cu121's CUDA 12.1 wheels) and docker/image-extras.txt. Compiled on Python 3.10, the image's,
+# with hashes and no index or find-links lines, so no machine's paths or mirrors get in.
+LOCKS := requirements.txt docker/torch-cu121.txt docker/image-extras.txt
+PIP_COMPILE = $(abspath $(VENV))/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links $(if $(UPGRADE),--upgrade)
+
+PY310_CHECK = $(VENV)/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' \
+	|| { echo "$@: $(VENV) is not Python 3.10, the image's; rebuild it with PYTHON=python3.10"; exit 1; }
+
+lock: $(VENV)/.stamp ## recompile the locks from requirements.in and docker/*.in (UPGRADE=1 bumps every pin)
+	@$(PY310_CHECK)
+	@$(MAKE) --no-print-directory lock-compile
+
+lock-compile:
+	$(PIP_COMPILE) --output-file=requirements.txt requirements.in
+	$(PIP_COMPILE) --output-file=docker/torch-cu121.txt docker/torch-cu121.in
+	$(PIP_COMPILE) --output-file=docker/image-extras.txt docker/image-extras.in
+
+# Recompiles copies of the locks in a scratch folder (pip-compile keeps existing pins) and fails on
+# any difference: a package added, removed or re-pinned in a .in file, or a lock edited by hand.
+lock-check: $(VENV)/.stamp ## fail if a lock is out of date with its .in file
+	@$(PY310_CHECK)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && mkdir -p "$$tmp/docker" \
+	&& for f in requirements.in docker/*.in $(LOCKS); do cp "$$f" "$$tmp/$$f"; done \
+	&& $(MAKE) --no-print-directory -C "$$tmp" -f $(CURDIR)/Makefile lock-compile VENV=$(abspath $(VENV)) \
+	&& for f in $(LOCKS); do diff -u "$$f" "$$tmp/$$f" || { echo "lock-check: $$f is out of date with its .in file: run make lock"; exit 1; }; done \
+	&& echo "lock-check: $(LOCKS) match their .in files"
+
+lint: $(VENV)/.stamp ## hadolint the Dockerfile, validate docker-compose.yml, check that settings agree
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/python docker/check-settings.py
+	@for f in docker/*.sh docker/fetch-model .ci/*; do bash -n "$$f" || exit 1; done
+	@if command -v docker-compose >/dev/null 2>&1; then docker-compose -f docker-compose.yml config -q && echo "docker-compose config: ok"; \
+	elif docker compose version >/dev/null 2>&1; then docker compose -f docker-compose.yml config -q && echo "docker compose config: ok"; \
+	else echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; fi
