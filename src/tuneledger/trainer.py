@@ -12,8 +12,8 @@ boundary, before and after the optimizer and at step end, and reads them once af
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -120,6 +120,15 @@ class LedgerTrainer(Trainer):
         mask = inputs.get("attention_mask")
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         return super().training_step(model, inputs, num_items_in_batch)
+
+    # Resuming on the pinned torch 2.5.1: see trusted_torch_load.
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        with trusted_torch_load(checkpoint, self.args.output_dir):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        with trusted_torch_load(checkpoint, self.args.output_dir):
+            return super()._load_rng_state(checkpoint)
 
     def floating_point_ops(self, inputs) -> int:
         return 6 * self.n_params * inputs["input_ids"].numel()
@@ -234,6 +243,44 @@ def last_checkpoint(out_dir: Path) -> str | None:
     """The newest complete checkpoint-N in out_dir (one with trainer_state.json), or None."""
     done = [p for p in out_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file() and p.name.split("-")[-1].isdigit()]
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+
+
+@contextlib.contextmanager
+def trusted_torch_load(checkpoint: str | None, out_dir: str):
+    """Let torch < 2.6 load the optimizer, scheduler and RNG state of this run's own checkpoint.
+
+    transformers 5 refuses torch.load below torch 2.6 because of CVE-2025-32434 (a crafted .pt
+    file can run code even with weights_only=True). The pinned image runs torch 2.5.1, so without
+    this no run could resume. The refusal is lifted only while loading a checkpoint inside this
+    run's own output_dir; any other file still refuses. torch 2.5 also cannot map to the device
+    string "cpu:N" that multi-process CPU runs use, so that is mapped to "cpu"; and it needs
+    numpy's RNG-state types allow-listed, as transformers does itself from torch 2.6 on.
+    """
+    import numpy as np
+    from packaging.version import Version
+
+    import transformers.trainer as hf_trainer
+
+    old_torch = Version(torch.__version__.split("+")[0]) < Version("2.6")
+    own = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(Path(out_dir).resolve())
+    if not (old_torch and own):
+        yield
+        return
+    saved_check, saved_load = hf_trainer.check_torch_load_is_safe, torch.load
+
+    def load(f, map_location=None, **kw):
+        if isinstance(map_location, torch.device) and map_location.type == "cpu":
+            map_location = "cpu"
+        return saved_load(f, map_location=map_location, **kw)
+
+    hf_trainer.check_torch_load_is_safe, torch.load = (lambda: None), load
+    np_core = getattr(np, "_core", None) or np.core
+    numpy_types = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(numpy_types):
+            yield
+    finally:
+        hf_trainer.check_torch_load_is_safe, torch.load = saved_check, saved_load
 
 
 def bench_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float | None:

@@ -1,0 +1,66 @@
+"""Real runs on a tiny random Qwen2 through torchrun with 2 gloo processes (CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def tl(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd or ROOT, timeout=900)
+
+
+def small(tmp_path, tiny_model, name, *extra):
+    return [str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={tiny_model}", f"output_dir={tmp_path / name}",
+            f"cache_dir={tmp_path / 'cache'}", "max_samples=48", "cutoff_len=128", "global_batch_size=8", *extra]
+
+
+def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_model):
+    p = tl("dryrun", *small(tmp_path, tiny_model, "dry", "dryrun_steps=3", "dryrun_warmup_steps=1"), "--preset", "all", "--nproc", "2", "--cpu")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    led = json.loads((tmp_path / "dry" / "dryrun.json").read_text())
+    assert led["world_size"] == 2 and led["backend"] == "gloo" and led["synthetic"] is True
+    assert [r["preset"] for r in led["presets"]] == ["A", "B", "C", "D"]
+    for r in led["presets"]:
+        assert r["steps_measured"] == 2 and r["warmup_steps_excluded"] == 1
+        assert r["micro_batch"] * r["gradient_accumulation_steps"] * 2 == 8
+        assert r["s_per_step"] > 0 and r["tokens_per_s"] > 0
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+        assert r["save_s"] > 0 and r["checkpoint_bytes"] > 0
+        assert r["allreduce"]["bytes"] == r["model"]["trainable_params"] * 4 and r["allreduce"]["busbw_gbs"] > 0
+        parts = r["split"]
+        assert parts["forward_backward_per_micro_s"] > 0 and parts["micro_batches_per_step"] == r["gradient_accumulation_steps"]
+        assert r["eta"]["total_steps"] == 6  # ceil(48 / 8)
+        assert r["eta"]["total_s"] == pytest.approx(6 * r["s_per_step"] + r["eta"]["checkpoints"] * r["save_s"])
+    assert led["data_hash"] and led["versions"]["torch"] and led["finding"].startswith("preset ")
+    md = (tmp_path / "dry" / "dryrun.md").read_text()
+    assert "SYNTHETIC" in md and "| preset |" in md and "Where the step time goes" in md
+    assert "rendezvous 127.0.0.1:" in p.stdout
+    assert not list((tmp_path / "dry" / "dryrun").glob("*/checkpoint-*"))  # timed, weighed, removed
+
+
+def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_model):
+    args = small(tmp_path, tiny_model, "run", "max_steps=4", "save_steps=2", "preset=C", "logging_steps=1")
+    crashed = tl("train", *args, "--nproc", "2", "--cpu", env={"TUNELEDGER_CRASH_AFTER_STEP": "2"})
+    assert crashed.returncode != 0
+    run = tmp_path / "run"
+    assert (run / "checkpoint-2" / "trainer_state.json").is_file() and not (run / "checkpoint-4").exists()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+    resumed = tl("train", *args, "--nproc", "2", "--cpu")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming from {run / 'checkpoint-2'}" in resumed.stdout
+    result = json.loads((run / "train.json").read_text())
+    assert result["global_step"] == 4 and result["resumed_from"] == str(run / "checkpoint-2")
+    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+    steps = [h["step"] for h in state["log_history"] if "loss" in h]
+    assert steps == [1, 2, 3, 4]  # history carried over, no step repeated or skipped
+    assert any("tokens_per_s" in h and "eta_h" in h for h in state["log_history"])
+    assert (run / "checkpoint-4" / "adapter_model.safetensors").is_file()
