@@ -38,7 +38,9 @@ pip "${hashed[@]}" -r "$tmp/pip.txt"
 
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
     step "torch 2.5.1+cu121 from TORCH_INDEX_URL, its CUDA 12.1 wheels, and the lock without PyPI's torch"
-    pip "${hashed[@]}" --index-url "$TORCH_INDEX_URL" -r "$here/torch-cu121-wheel.txt"
+    # As an index (PyTorch's .../whl/cu121 layout) or a flat folder of wheels (e.g. Aliyun's
+    # pytorch-wheels/cu121/): whichever the URL is, pip finds the file; the hash decides.
+    pip "${hashed[@]}" --index-url "$TORCH_INDEX_URL" --find-links "$TORCH_INDEX_URL" -r "$here/torch-cu121-wheel.txt"
     python "$here/lockfilter.py" --drop 'torch|nvidia-.*-cu12' "$lock/requirements.txt" > "$tmp/rest.txt"
     pip "${hashed[@]}" -r "$tmp/rest.txt" -r "$here/torch-cu121.txt"
 else
