@@ -48,7 +48,8 @@ ENV VIRTUAL_ENV=/opt/venv \
 
 # ---- Python packages: the lock, torch, flash-attn ----------------------------------------------
 # See docker/install.sh for how torch and its nvidia-* wheels are pinned, and README "The image".
-# TORCH_INDEX_URL: torch 2.5.1+cu121 comes from here (PyTorch's cu121 index or a mirror of it).
+# TORCH_INDEX_URL: torch 2.5.1+cu121 comes from here (PyTorch's cu121 index, a mirror of it, or a
+#   flat folder of its wheels).
 #   Empty: PyPI's torch 2.5.1 from the lock, a CUDA 12.4 build; then set TORCH_CUDA=12.4 too.
 # FLASH_ATTN_WHEEL_URL: the upstream prebuilt wheel for torch 2.5, CUDA 12, the pre-C++11 ABI
 #   (as torch 2.5.1's wheels are built) and cp310, or the same file on a mirror (same sha256).
