@@ -91,6 +91,26 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     return rc, result
 
 
+def verdict(row: dict, rows: list[dict]) -> dict:
+    """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict."""
+    from tuneledger.diagnose import diagnose, load_thresholds
+    from tuneledger.monitor import summarize_window, visible_gpus
+
+    gpu = summarize_window(rows, *row["window_utc"], gpus=visible_gpus()) if rows else None
+    total = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu and gpu["gpus"] else None
+    peak = max((m["peak_reserved"] or 0) for m in row["memory_mib"])
+    split = row["split"]
+    inputs = {
+        "util_mean_pct": gpu["util_mean_pct"] if gpu else None,
+        "mem_peak_frac": peak / total if total and peak else None,
+        "allreduce_share": (split["allreduce_s"] + split["sync_wait_s"]) / row["s_per_step"],
+        "data_wait_share": split["data_wait_s"] / row["s_per_step"],
+        "micro_batch": row["micro_batch"], "gradient_checkpointing": row["gradient_checkpointing"], "mfu": row["mfu"],
+        "imbalance": gpu["imbalance"] if gpu else None, "util_spread_pts": gpu["util_spread_pts"] if gpu else None,
+    }
+    return {"gpu_window": gpu, "diagnosis_inputs": inputs, "diagnosis": diagnose(inputs, load_thresholds())}
+
+
 def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
     """One preset's ledger row from its worker result."""
     s = ledger.summarize_run(result, cfg.dryrun_warmup_steps)
@@ -112,6 +132,10 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
 
 def _pct(x: float | None) -> str:
     return f"{x:.1%}" if x else "-"
+
+
+def _n(x: float | None, spec: str = ",.0f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def markdown(led: dict) -> str:
@@ -152,6 +176,19 @@ def markdown(led: dict) -> str:
         lines += ["", f"Split method: {rows[0]['split']['method']}. The all-reduce is timed on the training process group with the "
                   "gradient's size; 'sync wait' is what the synchronising micro-batch costs beyond forward+backward and the all-reduce "
                   "(mostly waiting for the slower rank)."]
+    gpu_rows = [(r["preset"], g) for r in rows for g in ((r.get("gpu_window") or {}).get("gpus") or [])]
+    if gpu_rows:
+        lines += ["", "## GPUs over the steady window (NVML, sampled every 0.5 s)", "",
+                  "| preset | GPU | samples | util mean (min-max) % | memory used max / total MiB | power mean W |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for p, g in gpu_rows:
+            lines.append(f"| {p} | {g['gpu']} {g['name']} | {g['samples']} | {_n(g['util_mean_pct'])} ({_n(g['util_min_pct'])}-{_n(g['util_max_pct'])}) "
+                         f"| {_n(g['mem_used_max_mib'])} / {_n(g['mem_total_mib'])} | {_n(g['power_mean_w'])} |")
+        imb = [r["preset"] for r in rows if (r.get("gpu_window") or {}).get("imbalance")]
+        if imb:
+            lines.append(f"\nImbalance between GPUs (utilisation spread above the threshold) in: {', '.join(imb)}.")
+    if led.get("plot"):
+        lines += ["", f"![GPU utilisation, memory, power and temperature]({Path(led['plot']).name})"]
     if led.get("verdicts"):
         lines += ["", "## Verdict", ""] + [f"- **{p}**: {v}" for p, v in led["verdicts"].items()]
     if led.get("finding"):
@@ -207,6 +244,8 @@ def print_table(led: dict) -> None:
         print(f"total steps {r['eta']['total_steps']:,} ({r['eta']['checkpoints']} checkpoints of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
               f"steady state after {led['warmup_steps']} warm-up steps; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
               f"({r['model']['trainable_pct']}%); attention {r['model']['attention']}")
+    for preset, line in (led.get("verdicts") or {}).items():
+        print(f"VERDICT {preset}: {line}")
     if led.get("finding"):
         print(f"FINDING: {led['finding']}")
 
@@ -235,6 +274,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
           f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
     topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
+    # NVML from this (launcher) process: it holds no CUDA context, sees every GPU, and its rows go
+    # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.
+    sampler = None
+    if not cpu:
+        from tuneledger.monitor import InProcessSampler
+
+        sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
     for name in names:
         try:
@@ -252,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
             continue
         row = entry(cfg, result, stats, nproc)
-        row["window"] = {"label": f"preset {name}", "start": started.isoformat(), "end": ended.isoformat()}
+        row["run_utc"] = [started.isoformat(), ended.isoformat()]
         if cpu:
             row["fits_24gb"], row["fits_24gb_note"] = None, "n/a (CPU)"
         else:
@@ -271,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
               f"({row['tokens_per_s_per_gpu']:,.0f}/GPU), ETA {fmt_h(row['eta']['total_s'])}", flush=True)
 
     done = [r for r in rows if "s_per_step" in r]
+    samples = sampler.stop() if sampler else []
+    for r in done:
+        r.update(verdict(r, samples))
     first = next(iter(results.values()), None)
     led = {
         "run_name": base.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -282,8 +331,16 @@ def run(args: argparse.Namespace) -> int:
         "data_files": stats["data_files"], "stats": stats, "global_batch_size": base.global_batch_size,
         "dryrun_steps": base.dryrun_steps, "warmup_steps": base.dryrun_warmup_steps,
         "config": base.model_dump(), "presets": rows, "finding": finding(rows),
-        "windows": [r["window"] for r in done],
+        "windows": [{"label": f"preset {r['preset']}", "start": r["window_utc"][0], "end": r["window_utc"][1]} for r in done],
+        "verdicts": {r["preset"]: r["diagnosis"]["line"] + " Lever: " + r["diagnosis"]["lever"] for r in done},
     }
+    if samples and any(s.get("status") == "ok" for s in samples):
+        from tuneledger.monitor import parse_time, plot
+
+        png = out_root / "dryrun-gpus.png"
+        plot(samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],
+             title=f"dry-run {base.run_name}: {nproc} x GPU")
+        led["plot"] = str(png)
     ledger.write(out_root, "dryrun", led, markdown(led))
     print()
     print_table(led)

@@ -85,8 +85,10 @@ def summarize_run(result: dict, warmup: int) -> dict:
     parts["data_wait_s"] = _mean([s["data_wait_s"] for s in steady])
     parts["other_s"] = max(0.0, s_step - sum(parts[k] for k in ("forward_backward_s", "allreduce_s", "sync_wait_s", "optimizer_s", "data_wait_s")))
     parts["method"] = method
+    wall0 = steps[warmup - 1]["wall_end"] if warmup else steps[0]["wall_begin"]
     return {
         "steps_measured": len(steady), "warmup_steps_excluded": warmup, "window_s": window,
+        "window_utc": [_utc(wall0), _utc(steps[-1]["wall_end"])],
         "s_per_step": s_step, "step_spread": _spread(per_step),
         "tokens_per_s": tokens / window, "tokens_per_s_per_gpu": tokens / window / world,
         "tokens_per_step": tokens / len(steady),
@@ -94,6 +96,12 @@ def summarize_run(result: dict, warmup: int) -> dict:
         "memory_mib": [{"rank": r["rank"], "gpu": r["gpu_name"], "peak_allocated": r["peak_allocated_mib"],
                         "peak_reserved": r["peak_reserved_mib"]} for r in result["ranks"]],
     }
+
+
+def _utc(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).isoformat()
 
 
 def mfu(tokens_per_s: float, matmul_params: int, gradient_checkpointing: bool, world: int, peak_flops: float | None) -> float | None:

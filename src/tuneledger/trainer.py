@@ -62,7 +62,7 @@ class StepTimer(TrainerCallback):
         now = time.perf_counter()
         # Host time between steps: the Trainer fetches the next step's micro-batches here.
         wait = now - self._host_end if self._host_end is not None else 0.0
-        self._cur = {"marks": [self.clock.mark()], "data_wait_s": wait, "host_begin": now}
+        self._cur = {"marks": [self.clock.mark()], "data_wait_s": wait, "host_begin": now, "wall_begin": time.time()}
 
     def on_substep_end(self, args, state, control, **kw):
         if self._cur:
@@ -76,6 +76,7 @@ class StepTimer(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         if self._cur:
             self._cur["marks"].append(self.clock.mark())
+            self._cur["wall_end"] = time.time()  # UTC seconds, to join the GPU monitor's samples
             self.steps.append(self._cur)
             self._cur = None
         self._host_end = time.perf_counter()
@@ -96,7 +97,8 @@ class StepTimer(TrainerCallback):
             micro = [self.clock.seconds(m[i], m[i + 1]) for i in range(n)]
             out.append({"step_s": self.clock.seconds(m[0], m[-1]), "micro_s": micro,
                         "optimizer_s": self.clock.seconds(m[n], m[-1]), "data_wait_s": s["data_wait_s"],
-                        "t_begin": self.clock.seconds(origin, m[0]), "t_end": self.clock.seconds(origin, m[-1])})
+                        "t_begin": self.clock.seconds(origin, m[0]), "t_end": self.clock.seconds(origin, m[-1]),
+                        "wall_begin": s["wall_begin"], "wall_end": s["wall_end"]})
         return out
 
 
