@@ -37,11 +37,11 @@ def check_bitsandbytes(cfg: JobConfig, cuda: bool) -> str:
         raise PreflightError("quantization_bit=4 needs a CUDA GPU; none is visible. On a CPU set quantization_bit=null")
     try:
         import bitsandbytes as bnb
-        from bitsandbytes.cextension import lib
+        from bitsandbytes.cextension import CudaBNBNativeLibrary, lib
     except Exception as e:
         raise PreflightError(f"bitsandbytes does not import ({type(e).__name__}: {e}). Fix: pip install "
                              "bitsandbytes==0.50.2 (requirements.txt), matching your CUDA") from None
-    if lib is None or not getattr(lib, "compiled_with_cuda", True):
+    if not isinstance(lib, CudaBNBNativeLibrary):
         raise PreflightError("bitsandbytes loaded without its CUDA library. Fix: reinstall bitsandbytes for this "
                              "CUDA, or run `python -m bitsandbytes` to see what it looked for")
     return f"quantization: bitsandbytes {bnb.__version__} CUDA library loaded"

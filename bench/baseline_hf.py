@@ -1,0 +1,133 @@
+"""Plain transformers + peft + bitsandbytes: the speed tuneledger must at least match.
+
+Nothing of tuneledger's training path is used: the model loads with BitsAndBytesConfig onto
+cuda:LOCAL_RANK, goes through peft's `prepare_model_for_kbit_training` (with non-reentrant
+gradient checkpointing when the preset asks), gets LoRA on every linear projection, is wrapped in
+DDP (find_unused_parameters=False) and trained by a hand loop: bf16 autocast, `no_sync` on every
+micro-batch but the last, grad-norm clipping at 1.0, fused AdamW. The method of
+../shared/notes/h200-baseline.md. Only the data is shared: the same tokenized records (the
+`tuneledger stats` cache), the same seed-shuffled order, padded per micro-batch (A-C) or packed
+padding-free with position_ids (D), so both see the same workload.
+
+    python -m torch.distributed.run --nproc-per-node 2 bench/baseline_hf.py \
+        --model DIR --data CACHE_DIR --preset C --out result.json
+
+Reports steady-state s/step and real (non-pad) tokens/s over `--steps` steps after `--warmup`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+PRESETS = {"A": (1, True, False), "B": (2, True, False), "C": (2, False, False), "D": (8, False, True)}
+
+
+def batches(ds, micro: int, packed: bool, rank: int, world: int, seed: int, pad_id: int):
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(ds), generator=g).tolist()
+    order = order[rank::world]
+    while True:
+        for i in range(0, len(order) - micro + 1, micro):
+            rows = [ds[j] for j in order[i:i + micro]]
+            if packed:
+                ids = torch.tensor([t for r in rows for t in r["input_ids"]])[None]
+                labels = torch.tensor([t if k else -100 for r in rows for k, t in enumerate(r["labels"])])[None]
+                pos = torch.cat([torch.arange(len(r["input_ids"])) for r in rows])[None]
+                yield {"input_ids": ids, "labels": labels, "position_ids": pos}, ids.numel()
+            else:
+                n = max(len(r["input_ids"]) for r in rows)
+                ids = torch.full((micro, n), pad_id)
+                labels = torch.full((micro, n), -100)
+                mask = torch.zeros((micro, n), dtype=torch.long)
+                for k, r in enumerate(rows):
+                    L = len(r["input_ids"])
+                    ids[k, :L], labels[k, :L], mask[k, :L] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
+                yield {"input_ids": ids, "labels": labels, "attention_mask": mask}, int(mask.sum())
+
+
+def main() -> None:
+    import datasets
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True, help="a tuneledger tokenized-dataset cache directory")
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--lora-r", type=int, default=64)
+    ap.add_argument("--lora-alpha", type=int, default=128)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, gc, packed = PRESETS[a.preset]
+    micro = max(1, min(micro, a.global_batch // world))
+    accum = a.global_batch // (micro * world)
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(a.model, quantization_config=bnb, dtype=torch.bfloat16,
+                                                 device_map={"": local}, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=0.05,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local], find_unused_parameters=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    ds = datasets.load_from_disk(a.data).select_columns(["input_ids", "labels"])
+    it = batches(ds, micro, packed, rank, world, 42, tok.pad_token_id)
+    tokens = torch.zeros((), dtype=torch.int64, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    t0 = None
+    for step in range(a.steps + a.warmup):
+        if step == a.warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tokens.zero_()
+        for m in range(accum):
+            batch, n = next(it)
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+            tokens += n
+            with (model.no_sync() if m < accum - 1 else nullcontext()):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(**batch).loss / accum
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    dist.all_reduce(tokens)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        out = {"preset": a.preset, "world_size": world, "micro_batch": micro, "accum": accum, "gc": gc, "packed": packed,
+               "steps": a.steps, "warmup": a.warmup, "s_per_step": wall / a.steps,
+               "tokens_per_s": tokens.item() / wall, "tokens_per_s_per_gpu": tokens.item() / wall / world,
+               "peak_allocated_mib": round(peak.item()), "gpu": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "lora_r": a.lora_r}
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"baseline {a.preset}: {out['s_per_step']:.3f} s/step, {out['tokens_per_s']:,.0f} tokens/s "
+              f"({out['tokens_per_s_per_gpu']:,.0f}/GPU), peak {out['peak_allocated_mib']:,} MiB", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

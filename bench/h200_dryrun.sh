@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One device call (lent H200s): issue 2's benchmark, logs under $OUT.
+#   synthetic Qwen2.5-7B -> stats on alpaca_zh -> `tuneledger dryrun --preset all` (QLoRA)
+#   -> plain HF+peft+bitsandbytes baseline on the same data and presets, in the same call.
+# Needs: .whl (bitsandbytes, datasets, ... as wheels for the device's Python) and .carry (the
+# alpaca data, copied from ../shared; never committed). Usage on the device:
+#   NPROC=2 STEPS=25 bash bench/h200_dryrun.sh
+set -uo pipefail
+NPROC=${NPROC:-2}
+STEPS=${STEPS:-25}
+WARMUP=${WARMUP:-5}
+PRESETS=${PRESETS:-all}
+BASELINE=${BASELINE:-A B C D}
+OUT=${OUT:-/tmp/out}
+TAG=${TAG:-${NPROC}gpu}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+
+if [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/src
+TL="python3 -m tuneledger"
+{
+  stamp "machine"; nvidia-smi; nvidia-smi topo -m
+  python3 -c "import torch, transformers, peft, bitsandbytes, datasets, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__)"
+} 2>&1 | tee "$OUT/machine-$TAG.log"
+
+MODEL=/tmp/models/synthetic-qwen2.5-7b
+if [ ! -f $MODEL/config.json ]; then
+  stamp "synth-model" | tee -a "$OUT/machine-$TAG.log"
+  $TL synth-model --arch qwen2.5-7b $MODEL 2>&1 | tail -2 | tee -a "$OUT/machine-$TAG.log"
+fi
+COMMON="configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL dataset=.carry/alpaca_zh_demo.json run_name=h200-$TAG output_dir=/tmp/run-$TAG cache_dir=/tmp/cache dryrun_steps=$(( STEPS + WARMUP )) dryrun_warmup_steps=$WARMUP"
+
+stamp "dryrun $PRESETS on $NPROC GPU(s)"
+$TL dryrun $COMMON --preset $PRESETS --nproc "$NPROC" > "$OUT/dryrun-$TAG.log" 2>&1
+stamp "dryrun exit $?"
+grep -E "^(preset|VERDICT|FINDING|total steps)" "$OUT/dryrun-$TAG.log"
+
+DATA=$(ls -d /tmp/cache/*/ | head -1)
+for p in $BASELINE; do
+  stamp "baseline $p"
+  python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29600 + RANDOM % 1000)) bench/baseline_hf.py \
+    --model $MODEL --data "$DATA" --preset "$p" --steps "$STEPS" --warmup "$WARMUP" --out "/tmp/run-$TAG/baseline-$p.json" \
+    >> "$OUT/baseline-$TAG.log" 2>&1
+  grep "^baseline $p" "$OUT/baseline-$TAG.log" | tail -1
+done
+# $OUT returns at most 8 files: the logs, plus everything else of the run in one archive.
+cp /tmp/run-$TAG/dryrun.md "$OUT/dryrun-$TAG.md" 2>/dev/null
+tar czf "$OUT/run-$TAG.tgz" --exclude='checkpoint-*' -C /tmp "run-$TAG"
+stamp "done"
