@@ -87,8 +87,10 @@ monitor: $(ENV_DEP) ## sample every GPU into runs/monitor/ each INTERVAL=5 s (`d
 fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or ModelScope with USE_MODELSCOPE_HUB=1)
 	$(EXEC) fetch-model $(MODEL)
 
+# BuildKit (the Dockerfile's cache and secret mounts): the default of Compose v2; docker-compose 1.x
+# needs the two variables.
 image: ## build the image: CUDA 12.1, Python 3.10, torch 2.5.1, the lock (mirrors and sources from .env)
-	$(COMPOSE) build trainer
+	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) build trainer
 
 # Docker creates a missing bind-mount folder as root; create them first, as you.
 host-dirs:
