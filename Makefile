@@ -85,6 +85,7 @@ monitor: $(ENV_DEP) ## sample every GPU into runs/monitor/ each INTERVAL=5 s (`d
 	$(TL) monitor --interval $(INTERVAL)
 
 fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or ModelScope with USE_MODELSCOPE_HUB=1)
+	@case "$(origin MODEL)" in "command line"|environment) ;; *) echo "usage: make fetch MODEL=<hub id>, e.g. Qwen/Qwen2.5-7B-Instruct"; exit 2;; esac
 	$(EXEC) fetch-model $(MODEL)
 
 # BuildKit (the Dockerfile's cache and secret mounts): the default of Compose v2; docker-compose 1.x
@@ -129,7 +130,7 @@ lint: $(VENV)/.stamp ## hadolint the Dockerfile, validate docker-compose.yml, ch
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 	$(VENV)/bin/python docker/check-settings.py
-	@for f in docker/*.sh docker/fetch-model .ci/*; do bash -n "$$f" || exit 1; done
+	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh; do bash -n "$$f" || exit 1; done
 	@if command -v docker-compose >/dev/null 2>&1; then docker-compose -f docker-compose.yml config -q && echo "docker-compose config: ok"; \
 	elif docker compose version >/dev/null 2>&1; then docker compose -f docker-compose.yml config -q && echo "docker compose config: ok"; \
 	else echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; fi

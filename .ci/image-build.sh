@@ -39,26 +39,27 @@ EOF
 
 step "install Debian's docker.io, docker-compose, debootstrap"
 need=()
-for pair in dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap; do
-    command -v "${pair%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${pair%%:*}" ] || need+=("${pair#*:}")
-done
+[ -x /usr/sbin/dockerd ] && [ -x /usr/bin/docker ] || need+=(docker.io)
+[ -x /usr/bin/docker-compose ] || need+=(docker-compose)
+[ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 docker=/usr/bin/docker  # Debian's client: BuildKit built in (another docker on PATH may want buildx)
 /usr/sbin/dockerd --version
-docker-compose --version
+/usr/bin/docker-compose --version
 
 work=$(mktemp -d /var/tmp/tuneledger-ci.XXXXXX)
 dockerd_pid=
+had_bridge=$(ip link show docker0 >/dev/null 2>&1 && echo 1 || true)
 cleanup() {
     rc=$?
     set +e
     if [ -n "$dockerd_pid" ]; then
         kill "$dockerd_pid" 2>/dev/null && wait "$dockerd_pid" 2>/dev/null
         echo "image: dockerd (pid $dockerd_pid) stopped"
-        ip link delete docker0 2>/dev/null
+        [ -n "$had_bridge" ] || ip link delete docker0 2>/dev/null  # the bridge it made, not another engine's
     fi
     rm -rf "$work"
     exit $rc
