@@ -10,7 +10,9 @@ micro-batch but the last, grad-norm clipping at 1.0, fused AdamW. The method of
 padding-free with position_ids (D), so both see the same workload.
 
     python -m torch.distributed.run --nproc-per-node 2 bench/baseline_hf.py \
-        --model DIR --data CACHE_DIR --preset C --out result.json
+        --model DIR --data CACHE_DIR --preset A B C D --out baseline.json
+
+Presets run one after another in one process group (a fresh model each), to spare the start-up.
 
 Reports steady-state s/step and real (non-pad) tokens/s over `--steps` steps after `--warmup`.
 """
@@ -53,14 +55,10 @@ def batches(ds, micro: int, packed: bool, rank: int, world: int, seed: int, pad_
 
 
 def main() -> None:
-    import datasets
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True, help="a tuneledger tokenized-dataset cache directory")
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--preset", required=True, nargs="+", choices=sorted(PRESETS))
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=5)
@@ -72,8 +70,20 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
+    results = [run_preset(a, p, local) for p in a.preset]
+    if dist.get_rank() == 0:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+def run_preset(a, preset: str, local: int) -> dict:
+    import datasets
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    micro, gc, packed = PRESETS[a.preset]
+    micro, gc, packed = PRESETS[preset]
     micro = max(1, min(micro, a.global_batch // world))
     accum = a.global_batch // (micro * world)
 
@@ -116,17 +126,17 @@ def main() -> None:
     dist.all_reduce(tokens)
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    out = {"preset": preset, "world_size": world, "micro_batch": micro, "accum": accum, "gc": gc, "packed": packed,
+           "steps": a.steps, "warmup": a.warmup, "s_per_step": wall / a.steps,
+           "tokens_per_s": tokens.item() / wall, "tokens_per_s_per_gpu": tokens.item() / wall / world,
+           "peak_allocated_mib": round(peak.item()), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "lora_r": a.lora_r}
     if rank == 0:
-        out = {"preset": a.preset, "world_size": world, "micro_batch": micro, "accum": accum, "gc": gc, "packed": packed,
-               "steps": a.steps, "warmup": a.warmup, "s_per_step": wall / a.steps,
-               "tokens_per_s": tokens.item() / wall, "tokens_per_s_per_gpu": tokens.item() / wall / world,
-               "peak_allocated_mib": round(peak.item()), "gpu": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "lora_r": a.lora_r}
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"baseline {a.preset}: {out['s_per_step']:.3f} s/step, {out['tokens_per_s']:,.0f} tokens/s "
+        print(f"baseline {preset}: {out['s_per_step']:.3f} s/step, {out['tokens_per_s']:,.0f} tokens/s "
               f"({out['tokens_per_s_per_gpu']:,.0f}/GPU), peak {out['peak_allocated_mib']:,} MiB", flush=True)
-    dist.destroy_process_group()
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
 
 
 if __name__ == "__main__":

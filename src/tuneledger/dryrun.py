@@ -30,7 +30,6 @@ from tuneledger.model import PreflightError
 from tuneledger.preflight import run_checks
 from tuneledger.stats import gate, load_prepared
 
-FIT_PROBE_STEPS = 3
 
 
 def versions() -> dict:
@@ -74,21 +73,23 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 
 
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
-            probe_cap: float | None = None) -> tuple[int, dict | None]:
-    """One torchrun of the worker in dry-run mode; returns (exit code, result or None)."""
-    tag = f"{cfg.preset}{'-cap' if probe_cap else ''}"
-    run_dir = out_root / "dryrun" / tag
+            cap_gib: float | None = None) -> tuple[int, dict | None, bool]:
+    """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
+
+    With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof).
+    """
+    run_dir = out_root / "dryrun" / f"{cfg.preset}{'-cap' if cap_gib else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    if probe_cap:
-        cfg = cfg.model_copy(update={"memory_cap_gib": probe_cap, "dryrun_steps": FIT_PROBE_STEPS, "dryrun_warmup_steps": 0})
+    if cap_gib:
+        cfg = cfg.model_copy(update={"memory_cap_gib": cap_gib})
     job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
-           "result_path": str(run_dir / "result.json"), "cpu": cpu, "save": not probe_cap}
+           "result_path": str(run_dir / "result.json"), "cpu": cpu}
     rc = run_workers(job, run_dir / "job.json", nproc, log)
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
     # The checkpoint was written only to be timed and weighed; its size is in the result.
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt, ignore_errors=True)
-    return rc, result
+    return rc, result, any(run_dir.glob("oom-rank*.json"))
 
 
 def verdict(row: dict, rows: list[dict]) -> dict:
@@ -250,6 +251,52 @@ def print_table(led: dict) -> None:
         print(f"FINDING: {led['finding']}")
 
 
+def measure_presets(args: argparse.Namespace, names: list[str], nproc: int, cpu: bool, prep: Any, stats: dict,
+                    out_root: Path, log: Path, rows: list[dict], results: dict) -> None:
+    """Run each preset, appending its ledger row to `rows` and its raw result to `results`."""
+    for name in names:
+        try:
+            cfg = resolve(preset_config(args.items, name), nproc)
+        except ConfigError as e:
+            print(f"preset {name}: skipped: {e}")
+            rows.append({"preset": name, "skipped": str(e)})
+            continue
+        print(f"\n=== preset {name}: {describe(cfg, nproc)}", flush=True)
+        started = datetime.now(timezone.utc)
+        # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
+        # a preset that runs out of memory there is run again uncapped for its throughput.
+        fit_check = not cpu and not args.no_fit_check
+        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None)
+        if fit_check and oom:
+            print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
+                  "measuring again uncapped", flush=True)
+            started = datetime.now(timezone.utc)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log)
+        ended = datetime.now(timezone.utc)
+        if result is None:
+            print(f"preset {name}: worker failed (exit {rc}); see {log}")
+            rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
+            continue
+        row = entry(cfg, result, stats, nproc)
+        row["run_utc"] = [started.isoformat(), ended.isoformat()]
+        peak_gib = max((m["peak_allocated"] or 0) for m in row["memory_mib"]) / 1024
+        if cpu:
+            row["fits_24gb"], row["fits_24gb_note"] = None, "n/a (CPU)"
+        elif not fit_check:
+            row["fits_24gb"], row["fits_24gb_note"] = None, f"unproved ({peak_gib:.1f} GiB peak, --no-fit-check)"
+        elif oom:
+            row["fits_24gb"], row["fits_24gb_note"] = False, f"no (out of memory under {CAP_24GB_GIB:g} GiB; needs {peak_gib:.1f})"
+        else:
+            row["fits_24gb"], row["fits_24gb_note"] = True, f"yes (ran under a {CAP_24GB_GIB:g} GiB cap)"
+            retries = max(r.get("alloc_retries") or 0 for r in result["ranks"])
+            if retries:
+                row["fits_24gb_note"] += f"; {retries} allocator retries: the cap slowed it"
+        rows.append(row)
+        results[name] = result
+        print(f"preset {name}: {row['s_per_step']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s "
+              f"({row['tokens_per_s_per_gpu']:,.0f}/GPU), ETA {fmt_h(row['eta']['total_s'])}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
     cpu = args.cpu or visible_gpus() == 0
@@ -282,39 +329,12 @@ def run(args: argparse.Namespace) -> int:
 
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
-    for name in names:
-        try:
-            cfg = resolve(preset_config(args.items, name), nproc)
-        except ConfigError as e:
-            print(f"preset {name}: skipped: {e}")
-            rows.append({"preset": name, "skipped": str(e)})
-            continue
-        print(f"\n=== preset {name}: {describe(cfg, nproc)}", flush=True)
-        started = datetime.now(timezone.utc)
-        rc, result = run_one(cfg, prep.path, nproc, cpu, out_root, log)
-        ended = datetime.now(timezone.utc)
-        if result is None:
-            print(f"preset {name}: worker failed (exit {rc}); see {log}")
-            rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
-            continue
-        row = entry(cfg, result, stats, nproc)
-        row["run_utc"] = [started.isoformat(), ended.isoformat()]
-        if cpu:
-            row["fits_24gb"], row["fits_24gb_note"] = None, "n/a (CPU)"
-        else:
-            peak_gib = max(m["peak_allocated"] for m in row["memory_mib"]) / 1024
-            if peak_gib >= CAP_24GB_GIB:
-                row["fits_24gb"], row["fits_24gb_note"] = False, f"no (needs {peak_gib:.1f} GiB)"
-            elif args.no_fit_check:
-                row["fits_24gb"], row["fits_24gb_note"] = None, f"unproved ({peak_gib:.1f} GiB peak)"
-            else:
-                prc, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, probe_cap=CAP_24GB_GIB)
-                row["fits_24gb"] = prc == 0
-                row["fits_24gb_note"] = f"{'yes' if prc == 0 else 'no'} (proved under a {CAP_24GB_GIB:g} GiB cap)"
-        rows.append(row)
-        results[name] = result
-        print(f"preset {name}: {row['s_per_step']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s "
-              f"({row['tokens_per_s_per_gpu']:,.0f}/GPU), ETA {fmt_h(row['eta']['total_s'])}", flush=True)
+    try:
+        measure_presets(args, names, nproc, cpu, prep, stats, out_root, log, rows, results)
+    except KeyboardInterrupt:
+        # Keep what was measured: the ledger of the presets that finished is still written.
+        print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)
+        rows += [{"preset": n, "skipped": "interrupted"} for n in names if n not in {r["preset"] for r in rows}]
 
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []

@@ -392,7 +392,17 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         if resume and rank == 0:
             print(f"resuming from {resume}", flush=True)
     wall0 = time.perf_counter()
-    out = trainer.train(resume_from_checkpoint=resume)
+    try:
+        out = trainer.train(resume_from_checkpoint=resume)
+    except torch.cuda.OutOfMemoryError as e:
+        # Tell the launcher why (the dry-run's 24 GB proof reads this), then die at once: torchrun
+        # then stops the other ranks instead of leaving them waiting in an all-reduce.
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"oom-rank{rank}.json").write_text(json.dumps({"rank": rank, "error": str(e).splitlines()[0],
+                                                                   "memory_cap_gib": cfg.memory_cap_gib}))
+        print(f"rank {rank}: CUDA out of memory{f' under the {cfg.memory_cap_gib:g} GiB cap' if cfg.memory_cap_gib else ''}",
+              file=sys.stderr, flush=True)
+        os._exit(75)
     wall = time.perf_counter() - wall0
 
     steps = timer.summary()
@@ -402,6 +412,8 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "peak_allocated_mib": round(torch.cuda.max_memory_allocated(device) / 2**20) if cuda else None,
         "peak_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2**20) if cuda else None,
+        "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0,
+        "memory_cap_gib": cfg.memory_cap_gib,
         "steps": steps, "cum_tokens": tokens,
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -412,7 +424,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         per_rank = [local]
     grad_bytes = info["trainable_params"] * 4  # LoRA weights and their grads are fp32
     allreduce = bench_allreduce(grad_bytes, device) if mode == "dryrun" else {}
-    peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 and job.get("save", True) else None
+    peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 else None
     ckpt = last_checkpoint(out_dir)
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
     return {
