@@ -98,6 +98,9 @@ def run_preset(a, preset: str, local: int) -> dict:
     model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=0.05,
                                              target_modules="all-linear", task_type="CAUSAL_LM"))
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local], find_unused_parameters=False)
+    # from_pretrained returns eval mode: without train() gradient checkpointing and LoRA dropout are
+    # silently off (a first run of this script measured exactly that, bench/results/h200-2026-11-30).
+    model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     ds = datasets.load_from_disk(a.data).select_columns(["input_ids", "labels"])

@@ -39,7 +39,7 @@ COMMON="configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL dataset=.carry/a
 
 stamp "dryrun $PRESETS on $NPROC GPU(s)"
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-timeout -s INT "${DRYRUN_BUDGET:-$(( $(left) * 6 / 10 ))}" $TL dryrun $COMMON --preset $PRESETS --nproc "$NPROC" > "$OUT/dryrun-$TAG.log" 2>&1
+timeout -s INT "${DRYRUN_BUDGET:-$(( $(left) * 65 / 100 ))}" $TL dryrun $COMMON --preset $PRESETS --nproc "$NPROC" > "$OUT/dryrun-$TAG.log" 2>&1
 stamp "dryrun exit $?"
 grep -E "^(preset|VERDICT|FINDING|total steps)" "$OUT/dryrun-$TAG.log"
 
