@@ -14,6 +14,13 @@ VENV ?= .venv
 # default; LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`
 # always runs in the host venv. Docker settings (GPUs, folders, mirrors) come from .env.
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+# No reachable Docker engine: run in the host venv rather than fail (say so once).
+ifeq ($(origin LOCAL),undefined)
+LOCAL := $(shell docker info >/dev/null 2>&1 || echo 1)
+ifeq ($(LOCAL),1)
+$(info tuneledger: no Docker engine reachable; running in the host venv (.venv). Set LOCAL=0 to insist on the container.)
+endif
+endif
 ifeq ($(LOCAL),1)
 EXEC = PATH="$(abspath $(VENV))/bin:$(CURDIR)/docker:$$PATH"
 ENV_DEP = $(VENV)/.stamp

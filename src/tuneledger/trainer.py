@@ -219,6 +219,9 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         ddp_timeout=cfg.ddp_timeout,
         use_cpu=not cuda,
         remove_unused_columns=False,
+        # The NaN/Inf filter reads every micro-batch's loss on the host: a sync that stops the host
+        # running ahead and makes fast ranks wait for slow ones. A NaN then shows in the logs as NaN.
+        logging_nan_inf_filter=False,
         gradient_checkpointing=False,  # enabled in model.load_model, non-reentrant
         disable_tqdm=dryrun,
         save_only_model=False,
