@@ -81,3 +81,24 @@ def test_from_cli_takes_file_and_overrides():
     cfg = from_cli([str(REF), "preset=B", "dataset=a.json,b.jsonl"])
     assert cfg.preset == "B" and cfg.dataset == ["a.json", "b.jsonl"]
     assert set(PRESETS) == {"A", "B", "C", "D"}
+
+
+def test_cli_takes_overrides_before_and_after_options(monkeypatch):
+    from tuneledger import cli
+
+    seen = {}
+    monkeypatch.setattr("tuneledger.dryrun.run", lambda args: seen.update(items=args.items, preset=args.preset) or 0)
+    parser_args = ["dryrun", str(REF), "lora_rank=8", "--preset", "all", "cutoff_len=512"]
+    # re-bind func after monkeypatching: build_parser reads the module attribute at call time
+    import tuneledger.dryrun as d
+    orig = d.add_parser
+
+    def add_parser(sub):
+        orig(sub)
+        sub.choices["dryrun"].set_defaults(func=d.run)
+
+    monkeypatch.setattr(d, "add_parser", add_parser)
+    assert cli.main(parser_args) == 0
+    assert seen == {"items": [str(REF), "lora_rank=8", "cutoff_len=512"], "preset": "all"}
+    with pytest.raises(SystemExit):
+        cli.main(["dryrun", str(REF), "--bogus"])

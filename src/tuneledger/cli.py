@@ -40,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     from tuneledger.config import ConfigError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `key=value` overrides may come before or after the options (`dryrun cfg.yaml --preset all
+    # lora_rank=8`); argparse stops collecting positionals at the first option, so collect the rest.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if "=" not in e or e.startswith("-")]
+    if stray or (extra and not hasattr(args, "items")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.items = list(args.items) + extra
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

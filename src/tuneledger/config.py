@@ -230,7 +230,7 @@ def describe(cfg: JobConfig, world_size: int) -> str:
         f"gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}; "
         f"packing {'on' if cfg.packing else 'off'}; cutoff_len {cfg.cutoff_len}; "
         f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha} dropout={cfg.lora_dropout}; "
-        f"{'QLoRA 4-bit ' + cfg.quantization_type.upper() if cfg.quantization_bit else 'LoRA bf16'}"
+        f"{'QLoRA 4-bit ' + cfg.quantization_type.upper() if cfg.quantization_bit else 'LoRA on an unquantized base'}"
     )
 
 

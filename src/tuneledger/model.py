@@ -81,6 +81,7 @@ def load_tokenizer(name_or_path: str) -> Any:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(name_or_path)
+    fix_end_of_turn(tok)
     if not tok.chat_template:
         raise PreflightError(f"tokenizer of {name_or_path} has no chat_template; use an -Instruct model or add one")
     if tok.eos_token is None:
@@ -93,6 +94,19 @@ def load_tokenizer(name_or_path: str) -> Any:
             tok.add_special_tokens({"pad_token": "<|pad|>"})
     tok.padding_side = "right"
     return tok
+
+
+def fix_end_of_turn(tok: Any) -> None:
+    """Make eos the token that ends an assistant turn.
+
+    Labels supervise the end-of-turn token and generation stops at eos, so they must be the same
+    token. ChatML templates (Qwen, SmolLM2, ...) end turns with `<|im_end|>`; some checkpoints ship
+    another eos (SmolLM2's GGUF says `<|im_start|>`), and a model trained that way never stops.
+    """
+    template = tok.chat_template or ""
+    if "<|im_end|>" in template and "<|im_end|>" in tok.get_vocab() and tok.eos_token != "<|im_end|>":
+        print(f"tokenizer: eos {tok.eos_token!r} does not end the template's turns; using '<|im_end|>'", flush=True)
+        tok.eos_token = "<|im_end|>"
 
 
 def attention_backend(requested: str, device_type: str) -> str:

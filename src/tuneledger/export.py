@@ -1,0 +1,203 @@
+"""`tuneledger export`: merge a LoRA adapter into its base in bf16, prove the merge, write it atomically.
+
+    tuneledger export --adapter runs/<run>[/checkpoint-N] [--out DIR] [--base DIR] [--dtype bf16|fp32]
+
+The base is reloaded in bf16 (never 4-bit: merging into quantized weights rounds the LoRA update
+into the 4-bit grid and wrecks the model); a base whose config.json carries a quantization_config
+is refused. The export holds sharded safetensors, a config with no quantization section, the
+tokenizer with its chat template, and a generation config whose eos includes the end-of-turn
+token (`<|im_end|>`), so the served model stops.
+
+Verification, before anything is kept: a fixed set of prompts plus chat samples rendered from the
+run's own training data go through base + unmerged adapter (the reference) and through the
+merged model reloaded from the files just written. Greedy continuations must be identical and the
+logits close: max |difference| <= `rtol` x max |reference logit| (default 2e-2 in bf16, whose
+8-bit mantissa rounds each merged weight by up to 2^-9 relative; 1e-4 in fp32). Otherwise the
+export fails and its temporary directory is removed: nothing half-written is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tuneledger.model import PreflightError, load_tokenizer, read_model_config
+
+FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
+                 "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
+RTOL = {"bf16": 2e-2, "fp32": 1e-4}
+
+
+class ExportError(RuntimeError):
+    """The export cannot be made or did not verify; nothing was kept."""
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` itself if it holds an adapter, else its newest complete checkpoint-N."""
+    if (path / "adapter_config.json").is_file():
+        return path
+    done = [p for p in path.glob("checkpoint-*") if (p / "adapter_config.json").is_file()
+            and (p / "trainer_state.json").is_file() and p.name.split("-")[-1].isdigit()]
+    if not done:
+        raise ExportError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
+    return max(done, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def check_base(base: str) -> dict:
+    """The base's config.json; refuse a quantized base, saying why."""
+    config = read_model_config(base)
+    q = config.get("quantization_config")
+    if q:
+        raise ExportError(
+            f"the base {base} is quantized ({q.get('quant_method', q.get('load_in_4bit') and 'bitsandbytes 4-bit') or q}): "
+            "merging a LoRA into quantized weights rounds the update into the quantization grid and wrecks the model. "
+            "Point --base at the bf16 model the adapter was trained on (the QLoRA run quantized it on load; the "
+            "files on disk are bf16).")
+    return config
+
+
+def training_prompts(checkpoint: Path, tokenizer: Any, n: int = 4) -> list[str]:
+    """Chat samples from the run's own data: the prompt part of the first `n` valid records."""
+    from tuneledger.data import read_records, to_messages
+
+    job = checkpoint.parent / "job.json"
+    if not job.is_file():
+        return []
+    cfg = json.loads(job.read_text())["config"]
+    out: list[str] = []
+    for f in cfg.get("dataset", []):
+        if not Path(f).is_file():
+            continue
+        for where, obj in read_records(f):
+            msgs = to_messages(obj, where, cfg.get("placeholders") or {})
+            if isinstance(msgs, list):
+                out.append(tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True))
+            if len(out) >= n:
+                return out
+    return out
+
+
+def _greedy_and_logits(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[dict]:
+    import torch
+
+    out = []
+    for text in prompts:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            logits = model(input_ids=gen).logits.float()
+        out.append({"tokens": gen[0, ids.shape[1]:].tolist(), "sequence": gen, "logits": logits})
+    return out
+
+
+def _compare(ref: list[dict], got: list[dict], rtol: float) -> dict:
+    worst, agree = 0.0, 0
+    for r, g in zip(ref, got):
+        scale = r["logits"].abs().max().item()
+        diff = (g["logits"] - r["logits"]).abs().max().item()
+        worst = max(worst, diff / max(scale, 1e-6))
+        agree += r["tokens"] == g["tokens"]
+    return {"prompts": len(ref), "greedy_identical": agree, "max_rel_logit_diff": worst, "rtol": rtol,
+            "passed": agree == len(ref) and worst <= rtol}
+
+
+def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16", max_new_tokens: int = 32,
+           device: str | None = None) -> dict:
+    """Merge, verify and write; returns the export ledger. Raises ExportError (nothing kept)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    t0 = time.perf_counter()
+    ckpt = find_checkpoint(adapter)
+    adapter_cfg = json.loads((ckpt / "adapter_config.json").read_text())
+    base = base or adapter_cfg.get("base_model_name_or_path")
+    if not base:
+        raise ExportError(f"{ckpt}/adapter_config.json names no base model; pass --base")
+    check_base(base)
+    tok_src = ckpt if (ckpt / "tokenizer_config.json").is_file() else base
+    tokenizer = load_tokenizer(str(tok_src))
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, device_map={"": device})
+    model = PeftModel.from_pretrained(model, str(ckpt)).eval()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+               for p in FIXED_PROMPTS] + training_prompts(ckpt, tokenizer)
+    reference = _greedy_and_logits(model, tokenizer, prompts, max_new_tokens)
+    merged = model.merge_and_unload()
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        merged.config.use_cache = True
+        if hasattr(merged.config, "quantization_config"):
+            del merged.config.quantization_config
+        merged.save_pretrained(tmp, max_shard_size="2GB", safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        eot = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        gen = merged.generation_config if merged.generation_config is not None else GenerationConfig()
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id] if gen.eos_token_id is not None else []
+        gen.eos_token_id = [eot] + [e for e in eos if e != eot]
+        gen.pad_token_id = tokenizer.pad_token_id
+        gen.save_pretrained(tmp)
+        del merged, model
+        # Check the files, not the object in memory: reload what was written.
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype, device_map={"": device}).eval()
+        got = _greedy_and_logits(reloaded, tokenizer, prompts, max_new_tokens)
+        check = _compare(reference, got, RTOL[dtype])
+        if not check["passed"]:
+            raise ExportError(f"merged model differs from base + adapter: {check['greedy_identical']}/{check['prompts']} "
+                              f"greedy continuations identical, max relative logit difference "
+                              f"{check['max_rel_logit_diff']:.2e} (tolerance {check['rtol']:.0e})")
+        saved_cfg = json.loads((tmp / "config.json").read_text())
+        if "quantization_config" in saved_cfg:
+            raise ExportError("the saved config still has a quantization_config")
+        size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
+        ledger = {
+            "source_run": str(ckpt.parent), "checkpoint": str(ckpt), "base": base, "dtype": dtype, "out": str(out),
+            "safetensors_bytes": size, "shards": len(list(tmp.glob("*.safetensors"))), "eos_token_ids": gen.eos_token_id,
+            "verification": check, "seconds": round(time.perf_counter() - t0, 1),
+            "samples": [tokenizer.decode(g["tokens"], skip_special_tokens=False) for g in got[:2]],
+        }
+        (tmp / "export.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        return ledger
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    adapter = Path(args.adapter)
+    try:
+        out = Path(args.out) if args.out else find_checkpoint(adapter).parent / "export"
+        led = export(adapter, out, args.base, args.dtype, args.max_new_tokens, args.device)
+    except (ExportError, PreflightError) as e:
+        print(f"tuneledger export: {e}", file=sys.stderr)
+        return 1
+    v = led["verification"]
+    print(f"exported {led['checkpoint']} + {led['base']} -> {led['out']}: {led['safetensors_bytes'] / 1e9:.2f} GB in "
+          f"{led['shards']} shard(s), {led['dtype']}, {led['seconds']} s; verified on {v['prompts']} prompts: "
+          f"{v['greedy_identical']}/{v['prompts']} greedy identical, max relative logit difference "
+          f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:.0e}); eos ids {led['eos_token_ids']}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("export", help="merge the LoRA into a bf16 base, verify it against base+adapter, save it")
+    p.add_argument("--adapter", required=True, help="a checkpoint-N directory, or a run directory (its last checkpoint)")
+    p.add_argument("--out", help="output directory (default: <run>/export)")
+    p.add_argument("--base", help="the unquantized base model (default: the adapter's base_model_name_or_path)")
+    p.add_argument("--dtype", choices=sorted(RTOL), default="bf16")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    p.set_defaults(func=run)
