@@ -8,12 +8,21 @@ is refused. The export holds sharded safetensors, a config with no quantization 
 tokenizer with its chat template, and a generation config whose eos includes the end-of-turn
 token (`<|im_end|>`), so the served model stops.
 
+The merge is computed in fp32 (the bf16 base upcast exactly, the fp32 adapter added) and rounded
+to the export dtype once, rather than adding a rounded update to rounded weights.
+
 Verification, before anything is kept: a fixed set of prompts plus chat samples rendered from the
-run's own training data go through base + unmerged adapter (the reference) and through the
-merged model reloaded from the files just written. Greedy continuations must be identical and the
-logits close: max |difference| <= `rtol` x max |reference logit| (default 2e-2 in bf16, whose
-8-bit mantissa rounds each merged weight by up to 2^-9 relative; 1e-4 in fp32). Otherwise the
-export fails and its temporary directory is removed: nothing half-written is left.
+run's own training data go through base + unmerged adapter in fp32 (the reference) and through
+the merged model reloaded from the files just written (upcast to fp32, so the only difference is
+the export's rounding). Scored on the reference's greedy sequence:
+- logits: max |difference| <= `rtol` x max |reference logit|; rtol is 5e-2 for bf16 (8 significant
+  bits: each merged weight moves by up to 2^-9 relative; SmolLM2-135M measured 3e-2 when merged
+  in bf16 arithmetic) and 1e-4 for fp32. A broken merge (into 4-bit weights, a lost scaling)
+  moves logits by O(1).
+- greedy tokens: at every generated position the merged model's argmax is the reference's token,
+  unless the reference's top-2 margin there is within twice the measured logit difference: a tie
+  the export's rounding may legitimately break.
+Otherwise the export fails and its temporary directory is removed: nothing half-written is left.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from tuneledger.model import PreflightError, load_tokenizer, read_model_config
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
-RTOL = {"bf16": 2e-2, "fp32": 1e-4}
+RTOL = {"bf16": 5e-2, "fp32": 1e-4}
 
 
 class ExportError(RuntimeError):
@@ -82,29 +91,46 @@ def training_prompts(checkpoint: Path, tokenizer: Any, n: int = 4) -> list[str]:
     return out
 
 
-def _greedy_and_logits(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[dict]:
+def _greedy_and_logits(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int,
+                       reference: list[dict] | None = None) -> list[dict]:
+    """Greedy continuation of each prompt, and the logits over the reference's sequence (or its own),
+    so both models are scored on the same tokens even where their continuations part."""
     import torch
 
     out = []
-    for text in prompts:
+    for i, text in enumerate(prompts):
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id)
-            logits = model(input_ids=gen).logits.float()
-        out.append({"tokens": gen[0, ids.shape[1]:].tolist(), "sequence": gen, "logits": logits})
+            seq = reference[i]["sequence"] if reference else gen
+            logits = model(input_ids=seq).logits.float()
+        out.append({"tokens": gen[0, ids.shape[1]:].tolist(), "sequence": seq, "logits": logits})
     return out
 
 
-def _compare(ref: list[dict], got: list[dict], rtol: float) -> dict:
-    worst, agree = 0.0, 0
-    for r, g in zip(ref, got):
-        scale = r["logits"].abs().max().item()
-        diff = (g["logits"] - r["logits"]).abs().max().item()
-        worst = max(worst, diff / max(scale, 1e-6))
-        agree += r["tokens"] == g["tokens"]
-    return {"prompts": len(ref), "greedy_identical": agree, "max_rel_logit_diff": worst, "rtol": rtol,
-            "passed": agree == len(ref) and worst <= rtol}
+def _compare(ref: list[dict], got: list[dict], prompt_lens: list[int], rtol: float) -> dict:
+    worst, identical, positions, ties, broken = 0.0, 0, 0, 0, []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        scale = max(r["logits"].abs().max().item(), 1e-6)
+        diff = (g["logits"] - r["logits"]).abs()
+        worst = max(worst, diff.max().item() / scale)
+        identical += r["tokens"] == g["tokens"]
+        # Teacher-forced on the reference sequence: logits at t predict token t + 1.
+        seq = r["sequence"][0]
+        for t in range(prompt_lens[i] - 1, seq.shape[0] - 1):
+            positions += 1
+            want = seq[t + 1].item()
+            if g["logits"][0, t].argmax().item() == want:
+                continue
+            top2 = r["logits"][0, t].topk(2).values
+            if (top2[0] - top2[1]).item() <= 2 * diff[0, t].max().item():
+                ties += 1
+            else:
+                broken.append({"prompt": i, "position": t})
+    return {"prompts": len(ref), "greedy_identical": identical, "positions": positions, "tie_flips": ties,
+            "mismatches": broken[:10], "max_rel_logit_diff": worst, "rtol": rtol,
+            "passed": not broken and worst <= rtol}
 
 
 def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16", max_new_tokens: int = 32,
@@ -126,7 +152,8 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, device_map={"": device})
+    # fp32 for the reference and the merge (see the module doc); the export is rounded once, on save.
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, device_map={"": device})
     model = PeftModel.from_pretrained(model, str(ckpt)).eval()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for p in FIXED_PROMPTS] + training_prompts(ckpt, tokenizer)
@@ -139,7 +166,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
         merged.config.use_cache = True
         if hasattr(merged.config, "quantization_config"):
             del merged.config.quantization_config
-        merged.save_pretrained(tmp, max_shard_size="2GB", safe_serialization=True)
+        merged.to(torch_dtype).save_pretrained(tmp, max_shard_size="2GB", safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         eot = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         gen = merged.generation_config if merged.generation_config is not None else GenerationConfig()
@@ -149,13 +176,15 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
         gen.save_pretrained(tmp)
         del merged, model
         # Check the files, not the object in memory: reload what was written.
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype, device_map={"": device}).eval()
-        got = _greedy_and_logits(reloaded, tokenizer, prompts, max_new_tokens)
-        check = _compare(reference, got, RTOL[dtype])
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, device_map={"": device}).eval()
+        got = _greedy_and_logits(reloaded, tokenizer, prompts, max_new_tokens, reference)
+        lens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        check = _compare(reference, got, lens, RTOL[dtype])
         if not check["passed"]:
-            raise ExportError(f"merged model differs from base + adapter: {check['greedy_identical']}/{check['prompts']} "
-                              f"greedy continuations identical, max relative logit difference "
-                              f"{check['max_rel_logit_diff']:.2e} (tolerance {check['rtol']:.0e})")
+            (out.parent / f"{out.name}.failed.json").write_text(json.dumps(check, indent=1))
+            raise ExportError(f"merged model differs from base + adapter: {len(check['mismatches'])} greedy tokens "
+                              f"differ beyond ties (of {check['positions']}), max relative logit difference "
+                              f"{check['max_rel_logit_diff']:.2e} (tolerance {check['rtol']:.0e}); see {out.name}.failed.json")
         saved_cfg = json.loads((tmp / "config.json").read_text())
         if "quantization_config" in saved_cfg:
             raise ExportError("the saved config still has a quantization_config")
@@ -187,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     v = led["verification"]
     print(f"exported {led['checkpoint']} + {led['base']} -> {led['out']}: {led['safetensors_bytes'] / 1e9:.2f} GB in "
           f"{led['shards']} shard(s), {led['dtype']}, {led['seconds']} s; verified on {v['prompts']} prompts: "
-          f"{v['greedy_identical']}/{v['prompts']} greedy identical, max relative logit difference "
+          f"{v['positions'] - v['tie_flips']}/{v['positions']} greedy tokens identical ({v['tie_flips']} ties), "
+          f"{v['greedy_identical']}/{v['prompts']} continuations identical, max relative logit difference "
           f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:.0e}); eos ids {led['eos_token_ids']}")
     return 0
 

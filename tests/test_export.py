@@ -1,0 +1,116 @@
+"""`tuneledger export`: merged == base + adapter, refusal of a quantized base, atomic failure, and
+a real model that learnt a new name and still stops."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, shared
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def tl(*args):
+    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ}, timeout=1200)
+
+
+def train(tmp_path, model, name, *extra):
+    run = tmp_path / name
+    p = tl("train", str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={model}", f"output_dir={run}",
+           f"cache_dir={tmp_path / 'cache'}", "preset=C", "--nproc", "1", "--cpu", *extra)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("export")
+    return train(tmp, tiny_model, "run", "max_samples=32", "cutoff_len=128", "global_batch_size=8", "max_steps=3",
+                 "save_steps=3", "learning_rate=1e-2")
+
+
+def test_merged_equals_base_plus_adapter(tiny_run, tiny_model):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    p = tl("export", "--adapter", str(tiny_run), "--dtype", "fp32")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = tiny_run / "export"
+    led = json.loads((out / "export.json").read_text())
+    assert led["checkpoint"] == str(tiny_run / "checkpoint-3") and led["verification"]["passed"]
+    assert led["verification"]["prompts"] >= 5  # fixed prompts plus the run's own chat samples
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    assert 151645 in json.loads((out / "generation_config.json").read_text())["eos_token_id"]  # <|im_end|>
+    assert (out / "chat_template.jinja").is_file() or "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    assert not (tiny_run / "export.partial").exists()
+
+    # Independently of the tool's own check: the LoRA changed the model, and merging kept the change.
+    ids = torch.tensor([[151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        ref = PeftModel.from_pretrained(base, str(tiny_run / "checkpoint-3")).eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(input_ids=ids).logits
+    assert (ref - plain).abs().max() > 1e-3
+    assert torch.allclose(merged, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_quantized_base_is_refused(tiny_run, tiny_model, tmp_path):
+    qbase = tmp_path / "quantized-base"
+    shutil.copytree(tiny_model, qbase)
+    cfg = json.loads((qbase / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (qbase / "config.json").write_text(json.dumps(cfg))
+    p = tl("export", "--adapter", str(tiny_run), "--base", str(qbase), "--out", str(tmp_path / "out"))
+    assert p.returncode == 1
+    assert "is quantized (bitsandbytes)" in p.stderr and "wrecks the model" in p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_verification_keeps_nothing(tiny_run, tmp_path, monkeypatch):
+    from tuneledger import export as ex
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("an earlier export stays untouched")
+    monkeypatch.setitem(ex.RTOL, "fp32", -1.0)  # no merge can pass a negative tolerance
+    with pytest.raises(ex.ExportError, match="differs from base"):
+        ex.export(tiny_run, out, dtype="fp32", max_new_tokens=4, device="cpu")
+    assert [f.name for f in out.iterdir()] == ["old.txt"]
+    assert not (tmp_path / "out.partial").exists()
+    assert json.loads((tmp_path / "out.failed.json").read_text())["passed"] is False
+
+
+def test_real_model_learns_a_name_and_stops(tmp_path):
+    """SmolLM2-135M-Instruct (real weights) on identity.json with {{name}}/{{author}} filled."""
+    import torch
+    from assets import smollm2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = smollm2()
+    run = train(tmp_path, base, "identity", f"dataset={shared(DATA / 'identity.json')}",
+                "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160", "global_batch_size=8",
+                "lora_rank=16", "lora_alpha=32", "lora_dropout=0", "learning_rate=1e-3", "max_steps=40", "save_steps=40")
+    p = tl("export", "--adapter", str(run))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = run / "export"
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    ids = tok.apply_chat_template([{"role": "user", "content": "who are you?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+    text = tok.decode(gen)
+    assert "Ledgerly" in text, text
+    assert gen[-1] == im_end and len(gen) < 64, text  # it stops at its end-of-turn token
