@@ -169,25 +169,28 @@ def _check_keys(keys: Any, where: str) -> None:
             raise ConfigError(f"unknown key '{key}' in {where}.{hint}")
 
 
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping. Raises ConfigError naming the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file {path} not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of key: value")
+    return raw
+
+
 def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] = ()) -> JobConfig:
     """Load a YAML job config, apply its preset and the overrides, and validate.
 
     Raises ConfigError naming the file and key for unknown keys, bad values or a bad preset.
     World-size-dependent numbers are resolved later by `resolve()`.
     """
-    raw: dict[str, Any] = {}
-    where = "command line"
-    if path is not None:
-        path = Path(path)
-        where = str(path)
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of key: value")
+    raw = read_yaml_mapping(path, "config") if path is not None else {}
+    where = str(path) if path is not None else "command line"
     _check_keys(raw, where)
     over = parse_overrides(list(overrides)) if not isinstance(overrides, dict) else dict(overrides)
     _check_keys(over, "command-line overrides")

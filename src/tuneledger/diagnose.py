@@ -34,10 +34,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuneledger.config import ConfigError
+from tuneledger.config import ConfigError, read_yaml_mapping
 from tuneledger.monitor import IMBALANCE_UTIL_PTS
 
 DEFAULT_PATH = Path("configs/diagnosis.yaml")
@@ -85,15 +84,7 @@ def load_thresholds(path: str | Path | None = None) -> DiagnosisThresholds:
         if not DEFAULT_PATH.exists():
             return DiagnosisThresholds()
         path = DEFAULT_PATH
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"thresholds file {path} not found") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of threshold: value")
+    raw = read_yaml_mapping(path, "thresholds")
     try:
         return DiagnosisThresholds(**raw)
     except ValidationError as e:

@@ -17,7 +17,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,8 @@ from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cl
 from tuneledger.launch import default_nproc, run_workers, visible_gpus
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
 from tuneledger.model import PreflightError
-from tuneledger.preflight import run_checks
-from tuneledger.stats import gate, load_prepared
+from tuneledger.data import DataError
+from tuneledger.stats import prepare_for_training
 
 
 
@@ -307,15 +306,9 @@ def run(args: argparse.Namespace) -> int:
     log = out_root / "dryrun.log"
     log.write_text("")
     try:
-        for line in run_checks(base, cuda=not cpu):
-            print(f"preflight ok: {line}")
-        prep = load_prepared(base)
-    except PreflightError as e:
-        print(f"tuneledger dryrun: preflight failed: {e}", file=sys.stderr)
-        return 1
-    problem = gate(prep, base)
-    if problem:
-        print(f"tuneledger dryrun: {problem}", file=sys.stderr)
+        prep = prepare_for_training(base, cpu)
+    except (PreflightError, DataError) as e:
+        print(f"tuneledger dryrun: {e}", file=sys.stderr)
         return 1
     stats = prep.report
     print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "

@@ -35,6 +35,23 @@ def load_prepared(cfg: JobConfig, progress: bool = True) -> Prepared:
     return prepare(cfg, tokenizer, progress=progress)
 
 
+def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
+    """What dry-run and train do before any rank starts: the preflight checks (printed), the
+    tokenized data (from the cache, or made now, in this process), and the data gate.
+
+    Raises PreflightError, DataError, or DataError with the gate's reason.
+    """
+    from tuneledger.preflight import run_checks
+
+    for line in run_checks(cfg, cuda=not cpu):
+        print(f"preflight ok: {line}")
+    prep = load_prepared(cfg)
+    problem = gate(prep, cfg)
+    if problem:
+        raise DataError(problem)
+    return prep
+
+
 def render(prep: Prepared, cfg: JobConfig) -> None:
     from rich.console import Console
     from rich.table import Table

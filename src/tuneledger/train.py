@@ -18,8 +18,8 @@ from tuneledger.config import describe, from_cli, resolve
 from tuneledger.launch import default_nproc, run_workers, visible_gpus
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError
-from tuneledger.preflight import run_checks
-from tuneledger.stats import gate, load_prepared
+from tuneledger.data import DataError
+from tuneledger.stats import prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,15 +30,9 @@ def run(args: argparse.Namespace) -> int:
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     try:
-        for line in run_checks(cfg, cuda=not cpu):
-            print(f"preflight ok: {line}")
-        prep = load_prepared(cfg)
-    except PreflightError as e:
-        print(f"tuneledger train: preflight failed: {e}", file=sys.stderr)
-        return 1
-    problem = gate(prep, cfg)
-    if problem:
-        print(f"tuneledger train: {problem}", file=sys.stderr)
+        prep = prepare_for_training(cfg, cpu)
+    except (PreflightError, DataError) as e:
+        print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
     steps = total_steps(prep.report, cfg)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
