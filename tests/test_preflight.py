@@ -1,0 +1,91 @@
+"""Preflight: each failure answers in seconds, before any weights load, naming the fix."""
+
+import json
+import shutil
+import sys
+import time
+
+import pytest
+
+from tuneledger.config import load_config
+from tuneledger.model import PreflightError
+from tuneledger.preflight import run_checks
+
+
+def cfg_for(model, tmp_path, **kw):
+    return load_config(None, {"model_name_or_path": str(model), "dataset": ["x.json"], "quantization_bit": None,
+                              "output_dir": str(tmp_path / "run"), **kw})
+
+
+def model_dir(tmp_path, tiny_model, **config):
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(config)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_all_checks_pass_on_the_tiny_model(tiny_model, tmp_path):
+    lines = run_checks(cfg_for(tiny_model, tmp_path), cuda=False)
+    assert any("SYNTHETIC" in line for line in lines) and any("tensorboard" in line for line in lines)
+
+
+def test_vision_language_variant_is_refused_before_any_weight(tmp_path):
+    d = tmp_path / "qwen-vl"
+    d.mkdir()  # config.json only: no weights at all, as before a 15 GB download
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                                               "vision_config": {"depth": 32}}))
+    t0 = time.perf_counter()
+    with pytest.raises(PreflightError, match="vision-language model .*Qwen/Qwen2.5-7B-Instruct rather than Qwen/Qwen2.5-VL-7B-Instruct"):
+        run_checks(cfg_for(d, tmp_path), cuda=False)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_not_a_causal_lm_is_refused(tmp_path, tiny_model):
+    d = model_dir(tmp_path, tiny_model, architectures=["BertForMaskedLM"], model_type="bert")
+    with pytest.raises(PreflightError, match="no \\*ForCausalLM"):
+        run_checks(cfg_for(d, tmp_path), cuda=False)
+
+
+def test_missing_tensorboard_fails_with_the_fix(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
+    with pytest.raises(PreflightError, match="pip install tensorboard .* or set report_to=none"):
+        run_checks(cfg_for(tiny_model, tmp_path), cuda=False)
+    assert any("logging: none" in line for line in run_checks(cfg_for(tiny_model, tmp_path, report_to="none"), cuda=False))
+
+
+def test_missing_tensorboard_never_crashes_a_run_after_load(monkeypatch, capsys):
+    from tuneledger.trainer import resolve_report_to
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]})
+    assert resolve_report_to(cfg, rank=0) == "none"
+    assert "training continues without TensorBoard" in capsys.readouterr().err
+
+
+def test_quantization_without_cuda_is_refused(tiny_model, tmp_path):
+    with pytest.raises(PreflightError, match="needs a CUDA GPU"):
+        run_checks(cfg_for(tiny_model, tmp_path, quantization_bit=4), cuda=False)
+
+
+def test_disk_too_small_for_the_checkpoints(tiny_model, tmp_path, monkeypatch):
+    import tuneledger.preflight as pf
+
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(PreflightError, match="GB free; 3 checkpoints need"):
+        run_checks(cfg_for(tiny_model, tmp_path), cuda=False)
+
+
+def test_7b_checkpoint_estimate_matches_the_field_report():
+    from tuneledger.preflight import checkpoint_bytes
+    from tuneledger.synth import ARCHS
+
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]})
+    assert checkpoint_bytes(cfg, ARCHS["qwen2.5-7b"]) == 161_480_704 * 12  # ~1.94 GB: the report's "~1.9 GB"
+
+
+def test_hub_id_offline_says_how_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PreflightError, match="cannot fetch config.json of 'Qwen/Qwen2.5-7B-Instruct'.*local directory.*HF_ENDPOINT"):
+        run_checks(cfg_for("Qwen/Qwen2.5-7B-Instruct", tmp_path), cuda=False)
