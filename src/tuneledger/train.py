@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime, timezone
 from typing import Any
 
 from tuneledger.config import describe, from_cli, resolve
@@ -40,12 +41,30 @@ def run(args: argparse.Namespace) -> int:
     print(describe(cfg, nproc), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
            "result_path": str(out / "train.json"), "cpu": cpu}
+    # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
+    sampler = None
+    if not cpu:
+        from tuneledger.monitor import InProcessSampler
+
+        sampler = InProcessSampler(interval=5.0, out_dir=out / "monitor").start()
+    started = datetime.now(timezone.utc)
     rc = run_workers(job, out / "job.json", nproc, out / "train.log")
+    rows = sampler.stop() if sampler else []
     if rc != 0:
         print(f"tuneledger train: a rank failed (exit {rc}); the log is {out / 'train.log'}. "
               "Start the same command again to resume from the last checkpoint.", file=sys.stderr)
         return rc
     result = json.loads((out / "train.json").read_text())
+    if rows:
+        from tuneledger.monitor import summarize_window, visible_gpus
+
+        gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=visible_gpus())
+        result["gpu_window"] = gpu
+        (out / "train.json").write_text(json.dumps(result, indent=1))
+        util, mem = gpu["util_mean_pct"], gpu["mem_peak_frac"]
+        print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
+              f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
+              f"samples in {out / 'monitor'}")
     print(f"done: {result['global_step']} steps, train loss {result['train_loss']:.4f}, last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
     return 0
