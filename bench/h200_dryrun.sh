@@ -5,6 +5,7 @@
 # Needs: .whl (bitsandbytes, datasets, ... as wheels for the device's Python) and .carry (the
 # alpaca data, copied from ../shared; never committed). Usage on the device:
 #   NPROC=2 STEPS=25 bash bench/h200_dryrun.sh
+#   NPROC=1 PRESETS=D BASELINE="C D" DRYRUN_FLAGS=--no-fit-check bash bench/h200_dryrun.sh
 set -uo pipefail
 NPROC=${NPROC:-2}
 STEPS=${STEPS:-25}
@@ -39,7 +40,7 @@ COMMON="configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL dataset=.carry/a
 
 stamp "dryrun $PRESETS on $NPROC GPU(s)"
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-timeout -s INT "${DRYRUN_BUDGET:-$(( $(left) * 65 / 100 ))}" $TL dryrun $COMMON --preset $PRESETS --nproc "$NPROC" > "$OUT/dryrun-$TAG.log" 2>&1
+timeout -s INT "${DRYRUN_BUDGET:-$(( $(left) * 65 / 100 ))}" $TL dryrun $COMMON --preset $PRESETS --nproc "$NPROC" ${DRYRUN_FLAGS:-} > "$OUT/dryrun-$TAG.log" 2>&1
 stamp "dryrun exit $?"
 grep -E "^(preset|VERDICT|FINDING|total steps)" "$OUT/dryrun-$TAG.log"
 
