@@ -114,9 +114,9 @@ class LedgerTrainer(Trainer):
         super().__init__(*a, **kw)
         self.n_params = n_params
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
-        self.step_tokens: list[torch.Tensor] = []
-        self._log_tokens = 0
-        self._log_time = time.perf_counter()
+        self.step_tokens: list[torch.Tensor] = []  # running count at each step end (no sync)
+        self._log_tokens, self._log_time, self._log_step = 0, time.perf_counter(), 0
+        self.add_callback(TokenSnapshot(self))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
@@ -141,9 +141,10 @@ class LedgerTrainer(Trainer):
             now = time.perf_counter()
             dt = now - self._log_time
             if dt > 0 and seen > self._log_tokens:
-                world = self.args.world_size
-                logs["tokens_per_s"] = round((seen - self._log_tokens) * world / dt, 1)
-                per_step = dt / max(1, self.state.global_step - getattr(self, "_log_step", 0))
+                # Rank 0's tokens x world size: an estimate for the log line (the dry-run ledger
+                # sums every rank's own count).
+                logs["tokens_per_s"] = round((seen - self._log_tokens) * self.args.world_size / dt, 1)
+                per_step = dt / max(1, self.state.global_step - self._log_step)
                 left = max(0, self.state.max_steps - self.state.global_step)
                 logs["eta_h"] = round(left * per_step / 3600, 3)
             self._log_tokens, self._log_time, self._log_step = seen, now, self.state.global_step
@@ -151,14 +152,13 @@ class LedgerTrainer(Trainer):
 
 
 class TokenSnapshot(TrainerCallback):
-    """Keeps the running token count at every step end (a device tensor, no sync)."""
+    """Keeps the trainer's running token count at every step end (a device tensor, no sync)."""
 
-    def __init__(self, trainer_ref: list):
-        self.trainer_ref = trainer_ref
+    def __init__(self, trainer: LedgerTrainer):
+        self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kw):
-        t = self.trainer_ref[0]
-        t.step_tokens.append(t.tokens.clone())
+        self.trainer.step_tokens.append(self.trainer.tokens.clone())
 
 
 class CrashAfterStep(TrainerCallback):
@@ -380,11 +380,9 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
 
     clock = Clock(cuda)
     timer = StepTimer(clock)
-    ref: list = []
     trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
-                            callbacks=[timer, TokenSnapshot(ref)], n_params=info["total_params"])
-    ref.append(trainer)
+                            callbacks=[timer], n_params=info["total_params"])
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
