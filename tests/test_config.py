@@ -102,3 +102,12 @@ def test_cli_takes_overrides_before_and_after_options(monkeypatch):
     assert seen == {"items": [str(REF), "lora_rank=8", "cutoff_len=512"], "preset": "all"}
     with pytest.raises(SystemExit):
         cli.main(["dryrun", str(REF), "--bogus"])
+
+
+def test_ledger_counts_only_the_gpus_the_ranks_used(monkeypatch):
+    from tuneledger.dryrun import used_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert used_gpus(1) == ["0"] and used_gpus(2) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
+    assert used_gpus(2) == ["3", "5"]

@@ -91,12 +91,20 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     return rc, result, any(run_dir.glob("oom-rank*.json"))
 
 
-def verdict(row: dict, rows: list[dict]) -> dict:
-    """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict."""
-    from tuneledger.diagnose import diagnose, load_thresholds
-    from tuneledger.monitor import summarize_window, visible_gpus
+def used_gpus(nproc: int) -> list[str]:
+    """The GPUs the ranks ran on: local rank r uses the r-th visible GPU."""
+    from tuneledger.monitor import visible_gpus
 
-    gpu = summarize_window(rows, *row["window_utc"], gpus=visible_gpus()) if rows else None
+    return (visible_gpus() or [str(i) for i in range(nproc)])[:nproc]
+
+
+def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
+    """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict.
+    Only the GPUs the ranks used count: an idle neighbour must not dilute the utilisation."""
+    from tuneledger.diagnose import diagnose, load_thresholds
+    from tuneledger.monitor import summarize_window
+
+    gpu = summarize_window(rows, *row["window_utc"], gpus=used_gpus(nproc)) if rows else None
     total = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu and gpu["gpus"] else None
     peak = max((m["peak_reserved"] or 0) for m in row["memory_mib"])
     split = row["split"]
@@ -332,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
     for r in done:
-        r.update(verdict(r, samples))
+        r.update(verdict(r, samples, nproc))
     first = next(iter(results.values()), None)
     led = {
         "run_name": base.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

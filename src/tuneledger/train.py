@@ -56,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
         return rc
     result = json.loads((out / "train.json").read_text())
     if rows:
-        from tuneledger.monitor import summarize_window, visible_gpus
+        from tuneledger.dryrun import used_gpus
+        from tuneledger.monitor import summarize_window
 
-        gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=visible_gpus())
+        gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
         result["gpu_window"] = gpu
         (out / "train.json").write_text(json.dumps(result, indent=1))
         util, mem = gpu["util_mean_pct"], gpu["mem_peak_frac"]
