@@ -83,25 +83,19 @@ def test_from_cli_takes_file_and_overrides():
     assert set(PRESETS) == {"A", "B", "C", "D"}
 
 
-def test_cli_takes_overrides_before_and_after_options(monkeypatch):
+def test_cli_takes_file_and_overrides_before_and_after_options(monkeypatch):
+    import tuneledger.dryrun
     from tuneledger import cli
 
-    seen = {}
-    monkeypatch.setattr("tuneledger.dryrun.run", lambda args: seen.update(items=args.items, preset=args.preset) or 0)
-    parser_args = ["dryrun", str(REF), "lora_rank=8", "--preset", "all", "cutoff_len=512"]
-    # re-bind func after monkeypatching: build_parser reads the module attribute at call time
-    import tuneledger.dryrun as d
-    orig = d.add_parser
-
-    def add_parser(sub):
-        orig(sub)
-        sub.choices["dryrun"].set_defaults(func=d.run)
-
-    monkeypatch.setattr(d, "add_parser", add_parser)
-    assert cli.main(parser_args) == 0
-    assert seen == {"items": [str(REF), "lora_rank=8", "cutoff_len=512"], "preset": "all"}
-    with pytest.raises(SystemExit):
-        cli.main(["dryrun", str(REF), "--bogus"])
+    seen = []
+    monkeypatch.setattr(tuneledger.dryrun, "run", lambda args: seen.append((sorted(args.items), args.preset)) or 0)
+    assert cli.main(["dryrun", str(REF), "lora_rank=8", "--preset", "all", "cutoff_len=512"]) == 0
+    assert cli.main(["dryrun", "lora_rank=8", "--preset", "b", str(REF), "cutoff_len=512"]) == 0
+    want = sorted([str(REF), "lora_rank=8", "cutoff_len=512"])
+    assert seen == [(want, "ALL"), (want, "B")]
+    for bad in (["dryrun", str(REF), "--bogus"], ["dryrun", str(REF), "--preset", "E"]):
+        with pytest.raises(SystemExit):
+            cli.main(bad)
 
 
 def test_ledger_counts_only_the_gpus_the_ranks_used(monkeypatch):

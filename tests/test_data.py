@@ -22,12 +22,16 @@ def cfg_for(tmp_path, model, dataset, **kw):
     ({"instruction": "", "input": "", "output": "x"}, "instruction", "empty prompt"),
     ({"instruction": "q", "output": "a", "history": [["only one"]]}, "history[0]", "wrong type"),
     ({"prompt": "q", "completion": "a"}, "<record>", "unknown format"),
-    ({"messages": [{"role": "user", "content": "q"}]}, "role", "turns out of order"),
-    ({"messages": [{"role": "assistant", "content": "a"}]}, "role", "turns out of order"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "messages[0].role", "turns out of order"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "messages[0].role", "turns out of order"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]}, "conversations[1].value",
+     "empty assistant reply"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "output": "b"}, "<record>",
+     "ambiguous format"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}, "messages[1].role", "unsupported role"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}, "messages[1].content", "missing field"),
     ({"conversations": []}, "conversations", "wrong type"),
-    ({"instruction": "Who are you?", "output": "I am {{name}}."}, "content", "unfilled placeholder"),
+    ({"instruction": "Who are you?", "output": "I am {{name}}."}, "output", "unfilled placeholder"),
 ])
 def test_malformed_records_name_location_field_and_reason(record, field, kind):
     got = to_messages(record, "data.jsonl:7")

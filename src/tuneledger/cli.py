@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     from tuneledger.config import ConfigError
 
     parser = build_parser()
-    # `key=value` overrides may come before or after the options (`dryrun cfg.yaml --preset all
-    # lora_rank=8`); argparse stops collecting positionals at the first option, so collect the rest.
+    # The config file and `key=value` overrides may come before or after the options (`dryrun
+    # --preset all cfg.yaml lora_rank=8`); argparse stops collecting positionals at the first
+    # option, so collect the rest.
     args, extra = parser.parse_known_args(argv)
-    stray = [e for e in extra if "=" not in e or e.startswith("-")]
+    stray = [e for e in extra if e.startswith("-") or not ("=" in e or e.endswith((".yaml", ".yml")))]
     if stray or (extra and not hasattr(args, "items")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:

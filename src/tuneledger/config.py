@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -47,12 +47,14 @@ class JobConfig(BaseModel):
     flash_attn: Literal["auto", "sdpa", "fa2", "eager"] = "auto"
     # -- data
     dataset: list[str]
-    template: str = "qwen"  # rendered with the tokenizer's own chat template; see data.py
+    # Records are rendered with the tokenizer's own chat template. "qwen" (LLaMA-Factory's name)
+    # also checks that it is ChatML, as Qwen2.5's is; "tokenizer" takes whatever template it has.
+    template: Literal["qwen", "tokenizer"] = "qwen"
     default_system: str | None = None  # None: the template's own default system prompt
     cutoff_len: int = 2048  # tokens; longer records are truncated and counted
-    max_samples: int | None = None
+    max_samples: int | None = Field(None, ge=1)
     placeholders: dict[str, str] = {}  # fills {{key}} in records, e.g. identity.json's {{name}}
-    max_invalid_ratio: float = 0.05  # stats/train exit non-zero above this share of bad records
+    max_invalid_ratio: float = Field(0.05, ge=0, le=1)  # stats/train exit non-zero above this share of bad records
     preprocessing_num_workers: int | None = None  # None: min(cpu count, 8)
     cache_dir: str = ".cache/tuneledger"
     # -- method
@@ -62,7 +64,7 @@ class JobConfig(BaseModel):
     double_quantization: bool = True
     lora_rank: int = 64
     lora_alpha: int = 128
-    lora_dropout: float = 0.05
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
     lora_target: str = "all"  # "all" = every linear projection but lm_head
     # -- batch
     preset: Literal["A", "B", "C", "D"] | None = None
@@ -72,10 +74,10 @@ class JobConfig(BaseModel):
     gradient_checkpointing: bool = True
     packing: bool = False
     # -- optimisation
-    learning_rate: float = 1e-4
+    learning_rate: float = Field(1e-4, gt=0)
     lr_scheduler_type: str = "cosine"
-    warmup_ratio: float = 0.03
-    num_train_epochs: float = 1.0
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    num_train_epochs: float = Field(1.0, gt=0)
     max_steps: int = -1
     max_grad_norm: float = 1.0
     optim: str = "adamw_torch_fused"
@@ -93,7 +95,7 @@ class JobConfig(BaseModel):
     resume_from_checkpoint: Literal["auto", "never"] | str = "auto"
     # -- dry-run
     dryrun_steps: int = 50
-    dryrun_warmup_steps: int = 5  # optimizer steps excluded from the steady-state numbers
+    dryrun_warmup_steps: int = Field(5, ge=0)  # optimizer steps excluded from the steady-state numbers
     memory_cap_gib: float | None = None  # cap each process's CUDA memory, e.g. 24 to prove a 4090 fit
 
     @field_validator("dataset", mode="before")
@@ -112,6 +114,13 @@ class JobConfig(BaseModel):
         if v <= 0:
             raise ValueError("must be > 0")
         return v
+
+    @model_validator(mode="after")
+    def _warmup_below_steps(self) -> "JobConfig":
+        if self.dryrun_warmup_steps >= self.dryrun_steps:
+            raise ValueError(f"dryrun_warmup_steps ({self.dryrun_warmup_steps}) must be below dryrun_steps "
+                             f"({self.dryrun_steps}): nothing would be left to measure")
+        return self
 
     @property
     def out_dir(self) -> Path:
@@ -144,20 +153,55 @@ class JobConfig(BaseModel):
 FIELDS = set(JobConfig.model_fields)
 
 
+def _is_text(annotation: Any) -> bool:
+    """True for str, str | None and Literal["a", "b"] fields: their values are taken verbatim."""
+    import typing
+
+    if annotation is str:
+        return True
+    if typing.get_origin(annotation) is typing.Literal:
+        return all(isinstance(a, str) for a in typing.get_args(annotation))
+    args = typing.get_args(annotation)
+    return bool(args) and typing.get_origin(annotation) is not list and \
+        all(a is type(None) or _is_text(a) for a in args) and any(a is not type(None) for a in args)
+
+
+def _value(key: str, raw: str) -> Any:
+    field = JobConfig.model_fields.get(key)
+    if field is not None and _is_text(field.annotation):
+        # run_name=2024-01-01 or default_system=no are text, not a date or a boolean.
+        return None if raw in ("", "null", "~") and type(None) in getattr(field.annotation, "__args__", ()) else raw
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}={raw!r}: not a valid value: {str(e).splitlines()[0]}") from None
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean a number
+            value = float(value)
+        except ValueError:
+            pass
+    return value
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """Parse `key=value` strings; values are read as YAML scalars (`1e-4`, `true`, `[a, b]`)."""
+    """Parse `key=value` strings. Text fields take the value verbatim; others read it as YAML
+    (`1e-4`, `true`, `[a, b]`). `key.sub=value` sets one entry of a mapping field, so
+    `placeholders.name=Ledgerly` needs no quoting in a shell or a Makefile.
+    """
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        value = yaml.safe_load(raw) if raw != "" else None
-        if isinstance(value, str):
-            try:  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean a number
-                value = float(value)
-            except ValueError:
-                pass
-        out[key.strip()] = value
+        if "." in key:
+            top, sub = key.split(".", 1)
+            entry = out.setdefault(top, {})
+            if not isinstance(entry, dict):
+                raise ConfigError(f"override {item!r}: {top} was already set to {entry!r}")
+            entry[sub] = raw
+        else:
+            out[key] = _value(key, raw)
     return out
 
 
@@ -203,11 +247,15 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] =
             raise ConfigError(f"unknown preset '{preset}' (from {where} or overrides); choose one of {', '.join(PRESETS)}")
         merged.update(PRESETS[preset])
         merged["preset"] = preset
-    merged.update({k: v for k, v in over.items() if k != "preset"})
+    for k, v in over.items():
+        if k != "preset":
+            # placeholders.name=X on the command line adds to the file's placeholders.
+            merged[k] = {**merged[k], **v} if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
     try:
         return JobConfig(**merged)
     except ValidationError as e:
-        lines = [f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})" for err in e.errors()]
+        lines = [f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})" if err["loc"]
+                 else err["msg"].removeprefix("Value error, ") for err in e.errors()]
         raise ConfigError(f"invalid config ({where} + overrides):\n  " + "\n  ".join(lines)) from None
 
 
@@ -219,8 +267,11 @@ def resolve(cfg: JobConfig, world_size: int) -> JobConfig:
     cfg = cfg.model_copy()
     if cfg.preset == "D":
         # D is "the largest micro-batch that fits": 8 fit an H200, but never more than the global
-        # batch allows, so 8 GPUs at global 16 run micro-batch 2 rather than changing the recipe.
-        cfg.per_device_train_batch_size = max(1, min(cfg.per_device_train_batch_size, cfg.global_batch_size // world_size))
+        # batch allows, so 8 GPUs at global 16 run micro-batch 2 rather than changing the recipe;
+        # and one that divides it (global 24 on 2 GPUs: 6), so accumulation stays whole.
+        per_rank = cfg.global_batch_size // world_size
+        fits = [m for m in range(min(cfg.per_device_train_batch_size, per_rank), 0, -1) if per_rank % m == 0]
+        cfg.per_device_train_batch_size = fits[0] if fits else 1
     cfg.gradient_accumulation_steps = cfg.accumulation(world_size)
     return cfg
 

@@ -111,24 +111,30 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
     The conversation must be: optional system, then user/assistant alternating, ending with a
     non-empty assistant reply. `{{key}}` placeholders are filled from `placeholders`; one left
     unfilled makes the record invalid, since training on a literal `{{name}}` is never wanted.
+    Errors name the record's own field (`output`, `messages[3].role`, `conversations[1].value`).
     """
     if isinstance(obj, Invalid):
         return obj
     if not isinstance(obj, dict):
         return Invalid(where, "<record>", f"must be an object, got {type(obj).__name__}", "wrong type")
-    msgs: list[dict] = []
-    if "messages" in obj or "conversations" in obj:
-        key = "messages" if "messages" in obj else "conversations"
+    chat = [k for k in ("messages", "conversations") if k in obj]
+    alpaca = [k for k in ("instruction", "output") if k in obj]
+    if len(chat) + bool(alpaca) > 1:
+        return Invalid(where, "<record>", f"holds more than one format ({', '.join(chat + alpaca)}); keep one",
+                       "ambiguous format")
+    turns: list[tuple[str, str, str, str]] = []  # (role, content, role field, content field)
+    if chat:
+        key = chat[0]
         role_key, content_key = ("role", "content") if key == "messages" else ("from", "value")
-        turns = obj[key]
-        if not isinstance(turns, list) or not turns:
+        raw = obj[key]
+        if not isinstance(raw, list) or not raw:
             return Invalid(where, key, "must be a non-empty list of turns", "wrong type")
         if obj.get("system") is not None:
             system = _text(obj, "system", where)
             if isinstance(system, Invalid):
                 return system
-            msgs.append({"role": "system", "content": system})
-        for j, turn in enumerate(turns):
+            turns.append(("system", system, "system", "system"))
+        for j, turn in enumerate(raw):
             field = f"{key}[{j}]"
             if not isinstance(turn, dict):
                 return Invalid(where, field, "must be an object", "wrong type")
@@ -139,45 +145,53 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
             if isinstance(content, Invalid):
                 content.field = f"{field}.{content_key}"
                 return content
-            msgs.append({"role": role, "content": content})
-    elif "instruction" in obj or "output" in obj:
+            turns.append((role, content, f"{field}.{role_key}", f"{field}.{content_key}"))
+    elif alpaca:
         parts = {f: _text(obj, f, where, required=f in ("instruction", "output")) for f in ("instruction", "input", "output", "system")}
         for value in parts.values():
             if isinstance(value, Invalid):
                 return value
         if parts["system"]:
-            msgs.append({"role": "system", "content": parts["system"]})
+            turns.append(("system", parts["system"], "system", "system"))
         history = obj.get("history") or []
         if not isinstance(history, list):
             return Invalid(where, "history", "must be a list of [user, assistant] pairs", "wrong type")
         for j, pair in enumerate(history):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
                 return Invalid(where, f"history[{j}]", "must be a [user, assistant] pair of strings", "wrong type")
-            msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+            turns += [("user", pair[0], f"history[{j}]", f"history[{j}][0]"),
+                      ("assistant", pair[1], f"history[{j}]", f"history[{j}][1]")]
         prompt = parts["instruction"] + ("\n" + parts["input"] if parts["input"] else "")
         if not prompt.strip():
             return Invalid(where, "instruction", "instruction and input are both empty", "empty prompt")
-        msgs += [{"role": "user", "content": prompt}, {"role": "assistant", "content": parts["output"]}]
+        turns += [("user", prompt, "instruction", "instruction" if not parts["input"] else "instruction/input"),
+                  ("assistant", parts["output"], "output", "output")]
     else:
         return Invalid(where, "<record>", "unknown format: expected instruction/output, messages or conversations", "unknown format")
 
     # Structure: [system] user assistant (user assistant)*
-    body = msgs[1:] if msgs and msgs[0]["role"] == "system" else msgs
-    for j, m in enumerate(body):
+    body = turns[1:] if turns and turns[0][0] == "system" else turns
+    for j, (role, _, role_field, _) in enumerate(body):
         expected = "user" if j % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            return Invalid(where, "role", f"turn {j + 1} is '{m['role']}', expected '{expected}' (turns must alternate user/assistant)", "turns out of order")
-    if not body or body[-1]["role"] != "assistant":
-        return Invalid(where, "role", "conversation must end with an assistant turn", "turns out of order")
-    for m in body:
-        if m["role"] == "assistant" and not m["content"].strip():
-            return Invalid(where, "output" if "instruction" in obj else "content", "empty assistant reply", "empty assistant reply")
-    for m in msgs:
+        if role != expected:
+            return Invalid(where, role_field, f"turn {j + 1} is '{role}', expected '{expected}' (turns must alternate "
+                           "user/assistant)", "turns out of order")
+    if not body or body[-1][0] != "assistant":
+        return Invalid(where, body[-1][2] if body else "<record>", "conversation must end with an assistant turn",
+                       "turns out of order")
+    for role, content, _, content_field in body:
+        if role == "assistant" and not content.strip():
+            return Invalid(where, content_field, "empty assistant reply", "empty assistant reply")
+    msgs = []
+    for role, content, _, content_field in turns:
         if placeholders:
-            m["content"] = PLACEHOLDER.sub(lambda g: placeholders.get(g.group(1), g.group(0)), m["content"])
-        left = PLACEHOLDER.search(m["content"])
+            content = PLACEHOLDER.sub(lambda g: placeholders.get(g.group(1), g.group(0)), content)
+        left = PLACEHOLDER.search(content)
         if left:
-            return Invalid(where, "content", f"unfilled placeholder {left.group(0)}: set placeholders: {{{left.group(1)}: ...}}", "unfilled placeholder")
+            return Invalid(where, content_field, f"unfilled placeholder {left.group(0)}: set placeholders: "
+                           f"{{{left.group(1)}: ...}} (or placeholders.{left.group(1)}=... on the command line)",
+                           "unfilled placeholder")
+        msgs.append({"role": role, "content": content})
     return msgs
 
 
@@ -286,15 +300,20 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
 
     files = [Path(p) for p in cfg.dataset]
     for f in files:
+        if f.is_dir():
+            raise DataError(f"dataset {f} is a directory; list its .json/.jsonl files (dataset: a.json,b.jsonl)")
         if not f.is_file():
             raise DataError(f"dataset file {f} not found (dataset: {', '.join(cfg.dataset)})")
+    if cfg.template == "qwen" and "<|im_start|>" not in (tokenizer.chat_template or ""):
+        raise DataError(f"template: qwen expects a ChatML chat template (<|im_start|>...<|im_end|>), and the tokenizer of "
+                        f"{cfg.model_name_or_path} has another; set template=tokenizer to render with it as it is")
     key = cache_key([file_sha256(f) for f in files], tokenizer_fingerprint(tokenizer), cfg.template, cfg.cutoff_len,
                     {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples})
     path = Path(cfg.cache_dir) / key
     meta = path / "tuneledger.json"
     if meta.is_file():
         saved = json.loads(meta.read_text())
-        return Prepared(path, saved["report"], [Invalid(**d) for d in saved["invalid"]], True)
+        return Prepared(path, with_batch(saved["report"], cfg), [Invalid(**d) for d in saved["invalid"]], True)
 
     rows: dict[str, list] = {"messages": [], "where": []}
     invalid: list[Invalid] = []
@@ -341,7 +360,7 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         shutil.rmtree(tmp)
     else:
         tmp.rename(path)
-    return Prepared(path, report, invalid, False)
+    return Prepared(path, with_batch(report, cfg), invalid, False)
 
 
 def _length_summary(lengths: np.ndarray) -> dict:
@@ -357,14 +376,12 @@ def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:
 
     Keys: records {total, valid, invalid, invalid_by_reason}; tokens {total (before cutoff),
     trained (after cutoff), supervised (after cutoff)}; length {mean, median, p95, max} in tokens
-    before cutoff; over_cutoff (records truncated); steps_per_epoch = ceil(valid / global batch);
-    tokens_per_step (mean trained tokens per optimizer step).
+    before cutoff; over_cutoff (records truncated); zero_supervised. `with_batch` adds the steps.
     """
     n_tokens = np.asarray(ds["n_tokens"] if len(ds) else [], dtype=np.int64)
     n_sup = np.asarray(ds["n_supervised"] if len(ds) else [], dtype=np.int64)
     trained = np.minimum(n_tokens, cfg.cutoff_len)
     valid = len(ds)
-    steps = -(-valid // cfg.global_batch_size) if valid else 0
     by_reason = Counter(i.kind for i in invalid)
     return {
         "records": {"total": total, "valid": valid, "invalid": len(invalid), "invalid_by_reason": dict(by_reason.most_common())},
@@ -373,7 +390,13 @@ def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:
         "over_cutoff": int((n_tokens > cfg.cutoff_len).sum()),
         "zero_supervised": by_reason.get("0 supervised tokens left after cutoff_len", 0) + by_reason.get("0 supervised tokens", 0),
         "cutoff_len": cfg.cutoff_len,
-        "global_batch_size": cfg.global_batch_size,
-        "steps_per_epoch": steps,
-        "tokens_per_step": round(float(trained.sum()) / steps, 1) if steps else 0.0,
     }
+
+
+def with_batch(report: dict, cfg: Any) -> dict:
+    """The report plus what depends on the batch, not on the data (so not cached with it):
+    steps_per_epoch = ceil(valid / global batch), and the mean trained tokens per step."""
+    valid, gb = report["records"]["valid"], cfg.global_batch_size
+    steps = -(-valid // gb) if valid else 0
+    return {**report, "global_batch_size": gb, "steps_per_epoch": steps,
+            "tokens_per_step": round(report["tokens"]["trained"] / steps, 1) if steps else 0.0}

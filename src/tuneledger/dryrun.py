@@ -111,7 +111,7 @@ def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
     inputs = {
         "util_mean_pct": gpu["util_mean_pct"] if gpu else None,
         "mem_peak_frac": peak / total if total and peak else None,
-        "allreduce_share": (split["allreduce_s"] + split["sync_wait_s"]) / row["s_per_step"],
+        "allreduce_share": (split["allreduce_s"] + (split["sync_wait_s"] or 0.0)) / row["s_per_step"],
         "data_wait_share": split["data_wait_s"] / row["s_per_step"],
         "micro_batch": row["micro_batch"], "gradient_checkpointing": row["gradient_checkpointing"], "mfu": row["mfu"],
         "imbalance": gpu["imbalance"] if gpu else None, "util_spread_pts": gpu["util_spread_pts"] if gpu else None,
@@ -178,10 +178,13 @@ def markdown(led: dict) -> str:
         p = r["split"]
         bw = r["allreduce"].get("busbw_gbs")
         lines.append(f"| {r['preset']} | {p['forward_backward_s']:.3f} ({p['forward_backward_per_micro_s']:.3f} x {p['micro_batches_per_step']}) "
-                     f"| {p['allreduce_s']:.4f} | {p['sync_wait_s']:.4f} | {p['optimizer_s']:.4f} | {p['other_s']:.4f} | {p['data_wait_s']:.4f} "
+                     f"| {p['allreduce_s']:.4f} | {_n(p['sync_wait_s'], '.4f') if p['sync_wait_s'] is not None else 'n/a (accum 1)'} "
+                     f"| {p['optimizer_s']:.4f} | {p['other_s']:.4f} | {p['data_wait_s']:.4f} "
                      f"| {bw if bw is None else round(bw, 1)} |")
+    for method in dict.fromkeys(r["split"]["method"] for r in rows):
+        lines += ["", f"Split method ({', '.join(r['preset'] for r in rows if r['split']['method'] == method)}): {method}."]
     if rows:
-        lines += ["", f"Split method: {rows[0]['split']['method']}. The all-reduce is timed on the training process group with the "
+        lines += ["", "The all-reduce is timed on the training process group with the "
                   "gradient's size; 'sync wait' is what the synchronising micro-batch costs beyond forward+backward and the all-reduce "
                   "(mostly waiting for the slower rank)."]
     gpu_rows = [(r["preset"], g) for r in rows for g in ((r.get("gpu_window") or {}).get("gpus") or [])]
@@ -258,15 +261,24 @@ def print_table(led: dict) -> None:
         print(f"FINDING: {led['finding']}")
 
 
-def measure_presets(args: argparse.Namespace, names: list[str], nproc: int, cpu: bool, prep: Any, stats: dict,
-                    out_root: Path, log: Path, rows: list[dict], results: dict) -> None:
-    """Run each preset, appending its ledger row to `rows` and its raw result to `results`."""
+def plan(items: list[str], names: list[str], nproc: int) -> list[tuple[str, JobConfig | ConfigError]]:
+    """Each preset's resolved config, or the config error that rules it out at this world size."""
+    out: list[tuple[str, JobConfig | ConfigError]] = []
     for name in names:
         try:
-            cfg = resolve(preset_config(args.items, name), nproc)
+            out.append((name, resolve(preset_config(items, name), nproc)))
         except ConfigError as e:
-            print(f"preset {name}: skipped: {e}")
-            rows.append({"preset": name, "skipped": str(e)})
+            out.append((name, e))
+    return out
+
+
+def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig | ConfigError]], nproc: int, cpu: bool,
+                    prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict) -> None:
+    """Run each preset, appending its ledger row to `rows` and its raw result to `results`."""
+    for name, cfg in planned:
+        if isinstance(cfg, ConfigError):
+            print(f"preset {name}: skipped: {cfg}")
+            rows.append({"preset": name, "skipped": str(cfg)})
             continue
         print(f"\n=== preset {name}: {describe(cfg, nproc)}", flush=True)
         started = datetime.now(timezone.utc)
@@ -308,7 +320,11 @@ def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
     cpu = args.cpu or visible_gpus() == 0
     nproc = args.nproc or default_nproc(cpu)
-    names = list(PRESETS) if args.preset == "all" else [(args.preset or base.preset or "A").upper()]
+    names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
+    planned = plan(args.items, names, nproc)
+    errors = [cfg for _, cfg in planned if isinstance(cfg, ConfigError)]
+    if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone
+        raise errors[0]
     out_root = base.out_dir
     out_root.mkdir(parents=True, exist_ok=True)
     log = out_root / "dryrun.log"
@@ -331,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
     try:
-        measure_presets(args, names, nproc, cpu, prep, stats, out_root, log, rows, results)
+        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.
         print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)
@@ -372,7 +388,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("dryrun", help="measure N real training steps per preset: s/step, tokens/s, memory, save, ETA")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    p.add_argument("--preset", help="A, B, C, D, or all (default: the config's preset)")
+    p.add_argument("--preset", type=str.upper, choices=[*PRESETS, "ALL"], metavar="{A,B,C,D,all}",
+                   help="one preset, or all of them ranked (default: the config's preset)")
     p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
     p.add_argument("--no-fit-check", action="store_true", help="skip the capped run that proves a 24 GB fit")

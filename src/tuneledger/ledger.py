@@ -71,7 +71,8 @@ def summarize_run(result: dict, warmup: int) -> dict:
         method = "forward+backward measured on no_sync micro-batches"
     else:
         fwd_bwd = max(0.0, _mean(sync) - ar_s)
-        method = "accumulation 1: forward+backward = synchronising micro-batch - measured all-reduce"
+        method = ("accumulation 1: forward+backward = synchronising micro-batch - measured all-reduce, which also "
+                  "holds any wait for a slower rank (sync wait not separable)")
     n_micro = len(steady[0]["micro_s"])
     sync_extra = max(0.0, _mean(sync) - fwd_bwd)
     parts = {
@@ -79,11 +80,14 @@ def summarize_run(result: dict, warmup: int) -> dict:
         "micro_batches_per_step": n_micro,
         "forward_backward_s": fwd_bwd * n_micro,
         "allreduce_s": min(ar_s, sync_extra) if no_sync else ar_s,
-        "sync_wait_s": max(0.0, sync_extra - ar_s),
+        # With accumulation 1 every micro-batch synchronises: the wait for a slower rank cannot be
+        # told apart from forward+backward, so it is unknown (None), not zero.
+        "sync_wait_s": max(0.0, sync_extra - ar_s) if no_sync else None,
         "optimizer_s": _mean(opt),
     }
     parts["data_wait_s"] = _mean([s["data_wait_s"] for s in steady])
-    parts["other_s"] = max(0.0, s_step - sum(parts[k] for k in ("forward_backward_s", "allreduce_s", "sync_wait_s", "optimizer_s", "data_wait_s")))
+    parts["other_s"] = max(0.0, s_step - sum(parts[k] or 0.0 for k in ("forward_backward_s", "allreduce_s", "sync_wait_s",
+                                                                         "optimizer_s", "data_wait_s")))
     parts["method"] = method
     wall0 = steps[warmup - 1]["wall_end"] if warmup else steps[0]["wall_begin"]
     return {

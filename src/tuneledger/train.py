@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
@@ -21,6 +22,7 @@ from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError
 from tuneledger.data import DataError
 from tuneledger.stats import prepare_for_training
+from tuneledger.trainer import last_checkpoint, resume_conflicts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +37,21 @@ def run(args: argparse.Namespace) -> int:
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
+    resume = None if cfg.resume_from_checkpoint == "never" else (
+        last_checkpoint(out) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint)
+    if resume:
+        state = json.loads((Path(resume) / "trainer_state.json").read_text())
+        if state.get("max_steps") and state["global_step"] >= state["max_steps"]:
+            print(f"{out} is already trained: {resume} is step {state['global_step']} of {state['max_steps']}. "
+                  "Use another run_name for a new run, or raise max_steps / num_train_epochs to go on.")
+            return 0
+        conflicts = resume_conflicts(resume, cfg)
+        if conflicts:
+            print(f"tuneledger train: {resume} was trained with other settings than this run asks for:\n  "
+                  + "\n  ".join(conflicts) + "\nResuming would silently train something else. Use another run_name "
+                  "for the new settings, or resume_from_checkpoint=never to start this folder over.", file=sys.stderr)
+            return 2
+        print(f"resuming from {resume} (step {state['global_step']})")
     steps = total_steps(prep.report, cfg)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
           f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
@@ -66,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
               f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
               f"samples in {out / 'monitor'}")
-    print(f"done: {result['global_step']} steps, train loss {result['train_loss']:.4f}, last checkpoint "
+    print(f"done: {result['global_step']} steps, mean logged loss {result['train_loss']:.4f} (last "
+          f"{result['last_logged_loss']}), last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
     return 0
 

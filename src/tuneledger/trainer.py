@@ -161,6 +161,37 @@ class TokenSnapshot(TrainerCallback):
         self.trainer.step_tokens.append(self.trainer.tokens.clone())
 
 
+# What a checkpoint's training depends on: resuming with another value of any of these would
+# silently train something else (another global batch shifts the schedule and the epoch count).
+RESUME_KEYS = ("model_name_or_path", "dataset", "template", "default_system", "cutoff_len", "placeholders",
+               "max_samples", "quantization_bit", "quantization_type", "double_quantization", "lora_rank",
+               "lora_alpha", "lora_dropout", "lora_target", "global_batch_size", "learning_rate",
+               "lr_scheduler_type", "warmup_ratio", "num_train_epochs", "max_steps", "seed")
+CONFIG_IN_CHECKPOINT = "tuneledger_config.json"
+
+
+class SaveConfig(TrainerCallback):
+    """Writes the run's resolved config into every checkpoint, so a resume can be checked against it."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+
+    def on_save(self, args, state, control, **kw):
+        if state.is_world_process_zero:
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if ckpt.is_dir():
+                (ckpt / CONFIG_IN_CHECKPOINT).write_text(json.dumps(self.cfg.model_dump(), indent=1, ensure_ascii=False))
+
+
+def resume_conflicts(checkpoint: str | Path, cfg: JobConfig) -> list[str]:
+    """Settings of `cfg` that differ from those the checkpoint was trained with (RESUME_KEYS)."""
+    saved_path = Path(checkpoint) / CONFIG_IN_CHECKPOINT
+    if not saved_path.is_file():
+        return []
+    saved, now = json.loads(saved_path.read_text()), cfg.model_dump()
+    return [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in RESUME_KEYS if saved.get(k) != now.get(k)]
+
+
 class CrashAfterStep(TrainerCallback):
     """Fault injection for the resume test: TUNELEDGER_CRASH_AFTER_STEP=N kills the process
     (os._exit, no cleanup, like a machine shutdown) once step N and its checkpoint are done."""
@@ -382,7 +413,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     timer = StepTimer(clock)
     trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
-                            callbacks=[timer], n_params=info["total_params"])
+                            callbacks=[timer, SaveConfig(cfg)], n_params=info["total_params"])
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
@@ -428,9 +459,13 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 else None
     ckpt = last_checkpoint(out_dir)
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
+    # transformers' training_loss divides the resumed part's loss sum by every step, so after a
+    # resume it reads low; the logged losses cover the whole run (the history is restored too).
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
         "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
-        "train_loss": out.training_loss, "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
+        "train_loss": sum(logged) / len(logged) if logged else out.training_loss,
+        "last_logged_loss": logged[-1] if logged else None, "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
         "checkpoint_bytes": ckpt_bytes, "allreduce": allreduce, "report_to": report_to,
         "config": cfg.model_dump(), "resumed_from": resume, "peak_tflops": peak,
     }
