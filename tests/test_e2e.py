@@ -54,7 +54,8 @@ def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_
     assert (run / "checkpoint-2" / "trainer_state.json").is_file() and not (run / "checkpoint-4").exists()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
-    resumed = tl("train", *args, "--nproc", "2", "--cpu")
+    # No --cpu: on a machine without GPUs the verb finds that itself (as `make train` relies on).
+    resumed = tl("train", *args, "--nproc", "2")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from {run / 'checkpoint-2'}" in resumed.stdout
     result = json.loads((run / "train.json").read_text())
@@ -64,3 +65,11 @@ def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_
     assert steps == [1, 2, 3, 4]  # history carried over, no step repeated or skipped
     assert any("tokens_per_s" in h and "eta_h" in h for h in state["log_history"])
     assert (run / "checkpoint-4" / "adapter_model.safetensors").is_file()
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert result["train_loss"] == pytest.approx(sum(losses) / len(losses))  # not skewed by the resume
+
+    again = tl("train", *args, "--nproc", "2", "--cpu")  # a finished run is left as it is
+    assert again.returncode == 0 and "is already trained" in again.stdout
+    assert json.loads((run / "train.json").read_text()) == result
+    changed = tl("train", *args, "lora_rank=8", "--nproc", "2", "--cpu")
+    assert changed.returncode == 2 and "lora_rank: checkpoint 64, now 8" in changed.stderr

@@ -53,6 +53,9 @@ def find_checkpoint(path: Path) -> Path:
     done = [p for p in path.glob("checkpoint-*") if (p / "adapter_config.json").is_file()
             and (p / "trainer_state.json").is_file() and p.name.split("-")[-1].isdigit()]
     if not done:
+        if not path.exists():
+            siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
+            raise ExportError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
         raise ExportError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
     return max(done, key=lambda p: int(p.name.split("-")[-1]))
 

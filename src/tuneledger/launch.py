@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+
+# The last line of a Python traceback, with or without torchrun's "[rankN]: " prefix.
+ROOT_CAUSE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:.*)$")
 
 
 def free_port() -> int:
@@ -52,14 +57,28 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"launch: {nproc} process(es), rendezvous 127.0.0.1:{port}", flush=True)
     log = open(log_path, "a", encoding="utf-8") if log_path else None
+    causes: dict[str, None] = {}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
             if log:
                 log.write(line)
-        return proc.wait()
+            cause = ROOT_CAUSE.match(line)
+            if cause and "ChildFailedError" not in line:
+                causes[cause.group(1).strip()] = None
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        print("\ninterrupted: the ranks were stopped; the same command again resumes from the last checkpoint",
+              file=sys.stderr, flush=True)
+        raise
     finally:
         if log:
             log.close()
+    if rc != 0 and causes:
+        # A failed rank buries its error in every rank's traceback and torchrun's own: say it once.
+        print("\nworker error: " + "\n              ".join(list(causes)[-3:]), file=sys.stderr, flush=True)
+    return rc

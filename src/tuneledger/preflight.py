@@ -65,7 +65,7 @@ def check_disk(cfg: JobConfig, config: dict) -> str:
     if free < need:
         raise PreflightError(f"{probe} has {free / 1e9:.1f} GB free; {cfg.save_total_limit or 10} checkpoints need "
                              f"~{need / 1e9:.1f} GB. Free space, lower save_total_limit, or set output_dir elsewhere")
-    return f"disk: {free / 1e9:.0f} GB free at {probe}, checkpoints need ~{need / 1e9:.1f} GB"
+    return f"disk: {free / 1e9:.0f} GB free at {probe}, checkpoints need ~{need / 1e9:.2g} GB"
 
 
 def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:

@@ -75,10 +75,11 @@ def render(prep: Prepared, cfg: JobConfig) -> None:
     t.add_row("mean tokens per step", f"{r['tokens_per_step']:,.0f}")
     t.add_row("cache", f"{prep.path}{' (hit)' if prep.from_cache else ''}")
     console.print(t)
+    # Plain lines, never wrapped, so they grep.
     for inv in prep.invalid[:SHOW_INVALID]:
-        console.print(f"[yellow]invalid[/] {inv}", markup=True, highlight=False)
+        print(f"invalid {inv}")
     if len(prep.invalid) > SHOW_INVALID:
-        console.print(f"... and {len(prep.invalid) - SHOW_INVALID} more in {cfg.out_dir / 'invalid.jsonl'}")
+        print(f"... and {len(prep.invalid) - SHOW_INVALID} more in {cfg.out_dir / 'invalid.jsonl'}")
 
 
 def write(prep: Prepared, cfg: JobConfig) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from importlib import resources
 from pathlib import Path
@@ -150,7 +151,23 @@ def write_synthetic_model(arch: str, out: Path, tokenizer: str | None = None, de
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = write_synthetic_model(args.arch, Path(args.out), args.tokenizer, args.device, args.seed, args.force)
+    if args.tokenizer and not (Path(args.tokenizer) / "tokenizer_config.json").is_file():
+        print(f"tuneledger synth-model: --tokenizer {args.tokenizer} has no tokenizer_config.json", file=sys.stderr)
+        return 1
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"tuneledger synth-model: {args.out} is a file, not a directory", file=sys.stderr)
+        return 1
+    if args.device and args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("tuneledger synth-model: --device cuda, but no CUDA GPU is visible", file=sys.stderr)
+            return 1
+    try:
+        summary = write_synthetic_model(args.arch, Path(args.out), args.tokenizer, args.device, args.seed, args.force)
+    except FileExistsError as e:
+        print(f"tuneledger synth-model: {e}", file=sys.stderr)
+        return 1
     print(f"SYNTHETIC {summary['arch']}: {summary['parameters'] / 1e9:.2f}B parameters, "
           f"{summary['safetensors_gb']} GB safetensors in {summary['out']} "
           f"(built on {summary['device']} in {summary['build_s']} s, {summary['total_s']} s in all)")

@@ -41,16 +41,16 @@ def run(args: argparse.Namespace) -> int:
         last_checkpoint(out) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint)
     if resume:
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
-        if state.get("max_steps") and state["global_step"] >= state["max_steps"]:
-            print(f"{out} is already trained: {resume} is step {state['global_step']} of {state['max_steps']}. "
-                  "Use another run_name for a new run, or raise max_steps / num_train_epochs to go on.")
-            return 0
         conflicts = resume_conflicts(resume, cfg)
         if conflicts:
             print(f"tuneledger train: {resume} was trained with other settings than this run asks for:\n  "
                   + "\n  ".join(conflicts) + "\nResuming would silently train something else. Use another run_name "
                   "for the new settings, or resume_from_checkpoint=never to start this folder over.", file=sys.stderr)
             return 2
+        if state.get("max_steps") and state["global_step"] >= state["max_steps"]:
+            print(f"{out} is already trained: {resume} is step {state['global_step']} of {state['max_steps']}. "
+                  "Use another run_name for a new run, or raise max_steps / num_train_epochs to go on.")
+            return 0
         print(f"resuming from {resume} (step {state['global_step']})")
     steps = total_steps(prep.report, cfg)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "

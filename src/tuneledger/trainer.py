@@ -163,10 +163,11 @@ class TokenSnapshot(TrainerCallback):
 
 # What a checkpoint's training depends on: resuming with another value of any of these would
 # silently train something else (another global batch shifts the schedule and the epoch count).
+# max_steps and num_train_epochs may change: raising them is how a finished run goes on.
 RESUME_KEYS = ("model_name_or_path", "dataset", "template", "default_system", "cutoff_len", "placeholders",
                "max_samples", "quantization_bit", "quantization_type", "double_quantization", "lora_rank",
                "lora_alpha", "lora_dropout", "lora_target", "global_batch_size", "learning_rate",
-               "lr_scheduler_type", "warmup_ratio", "num_train_epochs", "max_steps", "seed")
+               "lr_scheduler_type", "warmup_ratio", "seed")
 CONFIG_IN_CHECKPOINT = "tuneledger_config.json"
 
 
