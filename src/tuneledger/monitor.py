@@ -1039,6 +1039,14 @@ def run(args: argparse.Namespace) -> int:
     backend = FakeNvml.h200s(args.fake) if args.fake else PynvmlBackend()
     monitor = Monitor(backend, args.host, pcie=not args.no_pcie)
     log = CsvLog(args.out, monitor.host)
+    try:  # an unwritable --out must fail now, not leave a sidecar that records nothing
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        probe = Path(args.out) / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        _stderr(f"tuneledger monitor: cannot write to --out {args.out}: {e.strerror or e}")
+        return 1
     stop = threading.Event()
     handler = lambda signum, frame: stop.set()  # noqa: E731
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}

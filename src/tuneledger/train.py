@@ -22,7 +22,6 @@ from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError
 from tuneledger.data import DataError
 from tuneledger.stats import prepare_for_training
-from tuneledger.trainer import last_checkpoint, resume_conflicts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
+    from tuneledger.trainer import last_checkpoint, resume_conflicts  # torch: only once a run is asked for
+
     resume = None if cfg.resume_from_checkpoint == "never" else (
         last_checkpoint(out) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint)
     if resume:
