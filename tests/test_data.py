@@ -120,6 +120,9 @@ def test_stats_match_independent_counts(tmp_path, tiny_model, name, records, tok
     assert 0 < r["tokens"]["supervised"] < tokens
     again = prepare(cfg, load_tokenizer(cfg.model_name_or_path), progress=False)
     assert again.from_cache and again.path == prep.path and again.report == r
+    # The batch is not part of the data: a cache hit at another global batch counts its own steps.
+    other = prepare(cfg.model_copy(update={"global_batch_size": 8}), load_tokenizer(cfg.model_name_or_path), progress=False)
+    assert other.from_cache and other.report["steps_per_epoch"] == -(-records // 8) and other.report["global_batch_size"] == 8
 
 
 def test_stats_count_invalid_and_cutoff(tmp_path, tiny_model):
