@@ -105,3 +105,12 @@ def test_ledger_counts_only_the_gpus_the_ranks_used(monkeypatch):
     assert used_gpus(1) == ["0"] and used_gpus(2) == ["0", "1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
     assert used_gpus(2) == ["3", "5"]
+
+
+def test_override_types_follow_the_fields():
+    got = parse_overrides(["run_name=2024-01-01", "default_system=You are: helpful", "output_dir=null",
+                           "placeholders={name: A, author: B C}", "lora_rank=8"])
+    assert got == {"run_name": "2024-01-01", "default_system": "You are: helpful", "output_dir": None,
+                   "placeholders": {"name": "A", "author": "B C"}, "lora_rank": 8}
+    cfg = load_config(REF, ["placeholders.name=Ledgerly", "placeholders.author=the team", "run_name=on"])
+    assert cfg.placeholders == {"name": "Ledgerly", "author": "the team"} and cfg.run_name == "on"

@@ -161,9 +161,12 @@ def _is_text(annotation: Any) -> bool:
         return True
     if typing.get_origin(annotation) is typing.Literal:
         return all(isinstance(a, str) for a in typing.get_args(annotation))
+    import types
+
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return False  # dict[str, str], list[str], int, ...
     args = typing.get_args(annotation)
-    return bool(args) and typing.get_origin(annotation) is not list and \
-        all(a is type(None) or _is_text(a) for a in args) and any(a is not type(None) for a in args)
+    return all(a is type(None) or _is_text(a) for a in args) and any(a is not type(None) for a in args)
 
 
 def _value(key: str, raw: str) -> Any:
