@@ -307,7 +307,8 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     if cfg.template == "qwen" and "<|im_start|>" not in (tokenizer.chat_template or ""):
         raise DataError(f"template: qwen expects a ChatML chat template (<|im_start|>...<|im_end|>), and the tokenizer of "
                         f"{cfg.model_name_or_path} has another; set template=tokenizer to render with it as it is")
-    key = cache_key([file_sha256(f) for f in files], tokenizer_fingerprint(tokenizer), cfg.template, cfg.cutoff_len,
+    hashes, tok_fp = {str(f): file_sha256(f) for f in files}, tokenizer_fingerprint(tokenizer)
+    key = cache_key(list(hashes.values()), tok_fp, cfg.template, cfg.cutoff_len,
                     {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples})
     path = Path(cfg.cache_dir) / key
     meta = path / "tuneledger.json"
@@ -344,14 +345,9 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         for where, reason in zip(ds["where"], reasons):
             if reason:
                 invalid.append(Invalid(where, "output", reason))
-        lengths_all = np.asarray(ds["n_tokens"])
         ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns("reason")
-    else:
-        lengths_all = np.zeros(0)
     report = summarize(ds, total, invalid, cfg)
-    report["lengths_all_valid"] = _length_summary(lengths_all[lengths_all > 0]) if len(lengths_all) else {}
-    report.update({"cache_key": key, "data_files": {str(f): file_sha256(f) for f in files},
-                   "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)[:16]})
+    report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
     tmp = path.with_name(path.name + ".tmp")
     ds.save_to_disk(str(tmp))
     (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))

@@ -23,7 +23,7 @@ from typing import Any
 
 from tuneledger import ledger
 from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cli, resolve
-from tuneledger.launch import default_nproc, run_workers, visible_gpus
+from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
 from tuneledger.model import PreflightError
 from tuneledger.data import DataError
@@ -134,7 +134,7 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
         **s, "mfu": u, "peak_tflops_measured": peak,
         "save_s": save_s, "checkpoint_bytes": result["checkpoint_bytes"], "eta": e,
         "train_loss": result["train_loss"], "model": model, "allreduce": result.get("allreduce") or {},
-        "gpu_util": result.get("gpu_util"), "config": cfg.model_dump(),
+        "config": cfg.model_dump(),
     }
 
 
@@ -318,8 +318,7 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
-    cpu = args.cpu or visible_gpus() == 0
-    nproc = args.nproc or default_nproc(cpu)
+    cpu, nproc = processes(args.cpu, args.nproc)
     names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
     planned = plan(args.items, names, nproc)
     errors = [cfg for _, cfg in planned if isinstance(cfg, ConfigError)]

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tuneledger.launch import last_checkpoint
 from tuneledger.model import PreflightError, load_tokenizer, read_model_config
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
@@ -50,14 +51,13 @@ def find_checkpoint(path: Path) -> Path:
     """`path` itself if it holds an adapter, else its newest complete checkpoint-N."""
     if (path / "adapter_config.json").is_file():
         return path
-    done = [p for p in path.glob("checkpoint-*") if (p / "adapter_config.json").is_file()
-            and (p / "trainer_state.json").is_file() and p.name.split("-")[-1].isdigit()]
-    if not done:
+    found = last_checkpoint(path, require=("adapter_config.json",))
+    if not found:
         if not path.exists():
             siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
             raise ExportError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
         raise ExportError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
-    return max(done, key=lambda p: int(p.name.split("-")[-1]))
+    return Path(found)
 
 
 def check_base(base: str) -> dict:

@@ -32,10 +32,18 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def default_nproc(cpu: bool) -> int:
-    """Every visible GPU; on a CPU-only machine 2 gloo processes, so the DDP path still runs."""
-    n = 0 if cpu else visible_gpus()
-    return n or 2
+def processes(cpu: bool, nproc: int | None) -> tuple[bool, int]:
+    """(CPU run?, number of ranks): every visible GPU; with none (or `cpu`), 2 gloo processes, so
+    the DDP path still runs. An explicit `nproc` wins."""
+    gpus = 0 if cpu else visible_gpus()
+    return gpus == 0, nproc or gpus or 2
+
+
+def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
+    """The newest complete checkpoint-N in out_dir (one with trainer_state.json and `require`)."""
+    done = [p for p in Path(out_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
+            and all((p / f).is_file() for f in ("trainer_state.json", *require))]
+    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None) -> int:

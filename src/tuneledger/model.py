@@ -173,7 +173,5 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
         # N of the MFU formula: every weight a token passes through in matmuls (lm_head included,
         # the embedding lookup not).
         "matmul_params": int(total - trainable - model.config.vocab_size * model.config.hidden_size),
-        # Adapter in fp32 plus AdamW's two fp32 moments: what a checkpoint holds, in bytes.
-        "checkpoint_bytes_est": int(trainable) * (4 + 8),
     }
     return model, info

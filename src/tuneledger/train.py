@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tuneledger.config import describe, from_cli, resolve
-from tuneledger.launch import default_nproc, run_workers, visible_gpus
+from tuneledger.launch import last_checkpoint, processes, run_workers
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError
 from tuneledger.data import DataError
@@ -26,8 +26,7 @@ from tuneledger.stats import prepare_for_training
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
-    cpu = args.cpu or visible_gpus() == 0
-    nproc = args.nproc or default_nproc(cpu)
+    cpu, nproc = processes(args.cpu, args.nproc)
     cfg = resolve(base, nproc)
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -36,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
-    from tuneledger.trainer import last_checkpoint, resume_conflicts  # torch: only once a run is asked for
+    from tuneledger.trainer import resume_conflicts  # torch: only once a run is asked for
 
     resume = None if cfg.resume_from_checkpoint == "never" else (
         last_checkpoint(out) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint)

@@ -24,6 +24,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tuneledger.config import JobConfig
+from tuneledger.launch import last_checkpoint
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -62,7 +63,7 @@ class StepTimer(TrainerCallback):
         now = time.perf_counter()
         # Host time between steps: the Trainer fetches the next step's micro-batches here.
         wait = now - self._host_end if self._host_end is not None else 0.0
-        self._cur = {"marks": [self.clock.mark()], "data_wait_s": wait, "host_begin": now, "wall_begin": time.time()}
+        self._cur = {"marks": [self.clock.mark()], "data_wait_s": wait, "wall_begin": time.time()}
 
     def on_substep_end(self, args, state, control, **kw):
         if self._cur:
@@ -274,12 +275,6 @@ def resolve_report_to(cfg: JobConfig, rank: int) -> str:
             print(f"WARNING: report_to=tensorboard but it does not import ({e}); training continues without "
                   "TensorBoard. Fix: pip install tensorboard", file=sys.stderr, flush=True)
         return "none"
-
-
-def last_checkpoint(out_dir: Path) -> str | None:
-    """The newest complete checkpoint-N in out_dir (one with trainer_state.json), or None."""
-    done = [p for p in out_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file() and p.name.split("-")[-1].isdigit()]
-    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
 @contextlib.contextmanager
