@@ -32,7 +32,7 @@ def check_logging(cfg: JobConfig) -> str:
 
 def check_bitsandbytes(cfg: JobConfig, cuda: bool) -> str:
     if not cfg.quantization_bit:
-        return "quantization: off (bf16 LoRA)"
+        return "quantization: off (LoRA on the unquantized base)"
     if not cuda:
         raise PreflightError("quantization_bit=4 needs a CUDA GPU; none is visible. On a CPU set quantization_bit=null")
     try:
