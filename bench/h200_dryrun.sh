@@ -11,7 +11,8 @@ NPROC=${NPROC:-2}
 STEPS=${STEPS:-25}
 WARMUP=${WARMUP:-5}
 PRESETS=${PRESETS:-all}
-BASELINE=${BASELINE:-A B C D}
+BASELINE=${BASELINE-A B C D}   # empty: no baseline
+DATASET=${DATASET:-.carry/alpaca_zh_demo.json}
 DEADLINE=${DEADLINE:-560}   # s for the whole script: the device call's limit is 600, and the archive must still be written
 OUT=${OUT:-/tmp/out}
 TAG=${TAG:-${NPROC}gpu}
@@ -36,7 +37,7 @@ if [ ! -f $MODEL/config.json ]; then
   stamp "synth-model" | tee -a "$OUT/machine-$TAG.log"
   $TL synth-model --arch qwen2.5-7b $MODEL 2>&1 | tail -2 | tee -a "$OUT/machine-$TAG.log"
 fi
-COMMON="configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL dataset=.carry/alpaca_zh_demo.json run_name=h200-$TAG output_dir=/tmp/run-$TAG cache_dir=/tmp/cache dryrun_steps=$(( STEPS + WARMUP )) dryrun_warmup_steps=$WARMUP"
+COMMON="configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL dataset=$DATASET run_name=h200-$TAG output_dir=/tmp/run-$TAG cache_dir=/tmp/cache dryrun_steps=$(( STEPS + WARMUP )) dryrun_warmup_steps=$WARMUP"
 
 stamp "dryrun $PRESETS on $NPROC GPU(s)"
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
@@ -44,13 +45,15 @@ timeout -s INT "${DRYRUN_BUDGET:-$(( $(left) * 65 / 100 ))}" $TL dryrun $COMMON 
 stamp "dryrun exit $?"
 grep -E "^(preset|VERDICT|FINDING|total steps)" "$OUT/dryrun-$TAG.log"
 
-DATA=$(ls -d /tmp/cache/*/ | head -1)
+DATA=$(ls -td /tmp/cache/*/ | head -1)   # the newest cache: the one this dry-run used
+if [ -n "$BASELINE" ]; then
 stamp "baseline $BASELINE (plain HF + peft + bitsandbytes, same data)"
 timeout -s INT "$(left)" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port $((29600 + RANDOM % 1000)) \
   bench/baseline_hf.py --model $MODEL --data "$DATA" --preset $BASELINE --steps "$STEPS" --warmup "$WARMUP" \
   --out "/tmp/run-$TAG/baseline.json" > "$OUT/baseline-$TAG.log" 2>&1
 stamp "baseline exit $?"
 grep "^baseline " "$OUT/baseline-$TAG.log"
+fi
 # $OUT returns at most 8 files: the logs, plus everything else of the run in one archive.
 cp /tmp/run-$TAG/dryrun.md "$OUT/dryrun-$TAG.md" 2>/dev/null
 tar czf "$OUT/run-$TAG.tgz" --exclude='checkpoint-*' -C /tmp "run-$TAG"

@@ -134,3 +134,20 @@ def test_monitor_window_to_verdict():
                                    "gradient_checkpointing": gc, "imbalance": w["imbalance"],
                                    "util_spread_pts": w["util_spread_pts"]})["bottleneck"]
     assert verdicts == {"A": "host-bound", "D": "compute-bound"}
+
+
+def test_allocator_cache_is_not_memory_pressure():
+    """Preset D on one H200 (bench/results/h200-2026-11-30-scaling): 71 GiB allocated, 130 GiB
+    reserved by the caching allocator (packed batches of varying length fragment it), GPU 90%
+    busy. The dry-run first called this memory-bound and advised GC on; the run needed half the
+    GPU. The verdict reads allocated memory; the samples are that window's NVML rows."""
+    from tuneledger.dryrun import verdict
+
+    row = {"window_utc": ["2026-11-30T03:14:41.968599+00:00", "2026-11-30T03:14:50.488185+00:00"],
+           "memory_mib": [{"rank": 0, "gpu": "NVIDIA H200", "peak_allocated": 70908, "peak_reserved": 132762}],
+           "s_per_step": 1.421, "micro_batch": 8, "gradient_checkpointing": False, "mfu": 0.273,
+           "split": {"allreduce_s": 0.0, "sync_wait_s": 0.0, "data_wait_s": 0.0332}}
+    v = verdict(row, read_rows(FIX / "monitor_1xh200_preset_d.csv"), nproc=1)
+    assert abs(v["diagnosis_inputs"]["mem_peak_frac"] - 70908 / 143771) < 1e-3
+    assert v["diagnosis"]["bottleneck"] == "compute-bound"
+    assert v["gpu_window"]["util_mean_pct"] >= 75

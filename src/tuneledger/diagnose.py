@@ -5,7 +5,7 @@ steady window (all optional; None = not measured):
 
     util_mean_pct          GPU utilisation, %: mean over GPUs of each GPU's mean (NVML, via
                            monitor.summarize_window); None without NVML (CPU runs, containers)
-    mem_peak_frac          max over ranks of peak memory / total GPU memory, 0-1
+    mem_peak_frac          max over ranks of peak allocated memory (torch) / total GPU memory, 0-1
     allreduce_share        (exposed all-reduce + sync wait) s / s_per_step, 0-1
     data_wait_share        data wait s / s_per_step, 0-1
     micro_batch            per-device micro-batch
