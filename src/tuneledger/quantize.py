@@ -134,6 +134,28 @@ def recipe(scheme: str, group_size: int, n_grid: int) -> list:
     return [GPTQModifier(config_groups=groups, ignore=["lm_head"])]
 
 
+def check_group_size(merged: Path, group_size: int) -> None:
+    """Refuse a group size that does not divide the input width of every quantized Linear (all but
+    lm_head), naming the widths and a size that fits; llm-compressor would fail deep inside."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only, no weights
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(merged))
+    bad: dict[int, str] = {}
+    widths = set()
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head":
+            widths.add(m.in_features)
+            if m.in_features % group_size:
+                bad.setdefault(m.in_features, name)
+    if bad:
+        fit = next((g for g in (128, 64, 32, 16) if all(w % g == 0 for w in widths)), None)
+        raise QuantizeError(f"{merged / 'config.json'}: input widths " + ", ".join(f"{w} ({n})" for w, n in bad.items())
+                            + f" are not multiples of --group-size {group_size}"
+                            + (f"; --group-size {fit} divides every layer's" if fit else ""))
+
+
 def evaluate(path: Path, tokenizer: Any, prompts: list[str], texts: list[str], seq_len: int, max_new_tokens: int,
              device: str, reference: list[list[int]] | None = None) -> dict:
     """Greedy continuations of `prompts` and perplexity over `texts`, of the model at `path` in bf16.
@@ -231,6 +253,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
     calib_ds = Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = json.loads((merged / "config.json").read_text())
+    check_group_size(merged, group_size)
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
