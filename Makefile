@@ -24,9 +24,13 @@ endif
 ifeq ($(LOCAL),1)
 EXEC = PATH="$(abspath $(VENV))/bin:$(CURDIR)/docker:$$PATH"
 ENV_DEP = $(VENV)/.stamp
+TLQ = $(VENV_QUANT)/bin/tuneledger
+QENV_DEP = $(VENV_QUANT)/.stamp
 else
 EXEC = $(COMPOSE) run --rm trainer
 ENV_DEP = host-dirs
+TLQ = $(COMPOSE) run --rm quantize tuneledger
+QENV_DEP = host-dirs
 endif
 TL = $(EXEC) tuneledger
 
@@ -51,7 +55,8 @@ OVERRIDES := model_name_or_path=$(MODEL) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
 
-.PHONY: help venv stats dryrun train export test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint
+.PHONY: help venv stats dryrun train export test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
+	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
@@ -64,6 +69,28 @@ $(VENV)/.stamp: requirements.txt pyproject.toml
 	@touch $@
 
 venv: $(VENV)/.stamp ## create .venv from the lock (Python 3.10, hashes)
+
+# The INT4 step's venv: Python 3.11, requirements-quant.txt. The lock pins PyPI's torch (a CUDA 13
+# build, what the image installs); this CPU venv takes torch at the lock's version as pip finds it
+# (a local CPU build where the machine has one; QUANT_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# for PyTorch's CPU wheels), then the rest of the lock without torch, triton and the CUDA wheels, by hash.
+PYTHON_QUANT ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11.7/bin/python3.11; do \
+	$$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1 && { echo $$p; break; }; done)
+VENV_QUANT ?= .venv-quant
+QUANT_TORCH = $(shell sed -n 's/^\(torch==[^ ]*\).*/\1/p' requirements-quant.txt)
+QUANT_TORCH_INDEX ?=
+QUANT_CUDA_WHEELS := torch|triton|cuda-.*|nvidia-(cu|nccl|nv).*
+$(VENV_QUANT)/.stamp: requirements-quant.txt pyproject.toml
+	@test -n "$(PYTHON_QUANT)" || { echo "no Python 3.11 found; set PYTHON_QUANT=/path/to/python3.11"; exit 1; }
+	$(PYTHON_QUANT) -m venv $(VENV_QUANT)
+	$(VENV_QUANT)/bin/pip install -q --no-deps $(if $(QUANT_TORCH_INDEX),--index-url $(QUANT_TORCH_INDEX)) "$(QUANT_TORCH)"
+	$(VENV_QUANT)/bin/python docker/lockfilter.py --drop '$(QUANT_CUDA_WHEELS)' requirements-quant.txt > $(VENV_QUANT)/lock-cpu.txt
+	$(VENV_QUANT)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: -r $(VENV_QUANT)/lock-cpu.txt
+	$(VENV_QUANT)/bin/pip check
+	$(VENV_QUANT)/bin/pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
+venv-quant: $(VENV_QUANT)/.stamp ## create .venv-quant for the INT4 step (Python 3.11, torch 2.13, llm-compressor; hashes)
 
 models/synthetic-%/config.json: | $(ENV_DEP)
 	$(TL) synth-model --arch $* models/synthetic-$*
@@ -82,11 +109,22 @@ train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkp
 
 # The run to export: RUN, else the config's run_name.
 EXPORT_RUN = $(or $(RUN),$(shell sed -n 's/^run_name:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) | head -1))
-export: $(ENV_DEP) ## merge RUN's last checkpoint (or CHECKPOINT=N) into the bf16 base, verify, save runs/<run>/export
+EXPORT_OUT = $(or $(OUT),runs/$(EXPORT_RUN)/export)
+export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
 	$(TL) export --adapter runs/$(EXPORT_RUN)$(if $(CHECKPOINT),/checkpoint-$(CHECKPOINT)) $(if $(OUT),--out $(OUT))
+	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT) $(QUANT_ARGS))
+
+# The INT4 step (tuneledger quantize) has its own environment: llm-compressor needs torch >= 2.10,
+# the trainer's image and .venv hold torch 2.5.1. In the `quantize` container (Dockerfile.quant) by
+# default, in .venv-quant with LOCAL=1. QUANT_ARGS="--samples 128 --seq-len 1024 ..." passes options.
+quantize: $(QENV_DEP) ## INT4 W4A16 (QUANT=awq|gptq, default awq) of RUN's verified export: runs/<run>/export-<scheme>, quant.json
+	$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(or $(QUANT),awq) $(QUANT_ARGS)
 
 test: $(VENV)/.stamp ## unit tests and tiny end-to-end runs on CPU
 	$(VENV)/bin/python -m pytest -q
+
+test-quant: $(VENV)/.stamp $(VENV_QUANT)/.stamp ## the INT4 tests, in .venv-quant (exports made by .venv, as in real use)
+	$(VENV_QUANT)/bin/python -m pytest -q tests/test_quantize.py
 
 clean-cache: ## drop the tokenized-data cache
 	rm -rf .cache/tuneledger
@@ -104,6 +142,9 @@ fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or
 # needs the two variables.
 image: ## build the image: CUDA 12.1, Python 3.10, torch 2.5.1, the lock (mirrors and sources from .env)
 	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) build trainer
+
+image-quant: ## build the INT4 step's image (Dockerfile.quant: Python 3.11, torch 2.13, llm-compressor)
+	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) --profile quantize build quantize
 
 # Docker creates a missing bind-mount folder as root; create them first, as you.
 host-dirs:
@@ -138,11 +179,26 @@ lock-check: $(VENV)/.stamp ## fail if a lock is out of date with its .in file
 	&& for f in $(LOCKS); do diff -u "$$f" "$$tmp/$$f" || { echo "lock-check: $$f is out of date with its .in file: run make lock"; exit 1; }; done \
 	&& echo "lock-check: $(LOCKS) match their .in files"
 
-lint: $(VENV)/.stamp ## hadolint the Dockerfile, validate docker-compose.yml, check that settings agree
+# The INT4 lock, compiled on Python 3.11 in .venv-quant against PyPI (or PIP_INDEX_URL) alone: no
+# pip.conf, no find-links, so a machine's local wheels (a CPU torch build) never get pinned.
+PIP_COMPILE_QUANT = env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null \
+	$(abspath $(VENV_QUANT))/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links $(if $(UPGRADE),--upgrade)
+lock-quant: $(VENV_QUANT)/.stamp ## recompile requirements-quant.txt from requirements-quant.in (UPGRADE=1 bumps every pin)
+	$(PIP_COMPILE_QUANT) --output-file=requirements-quant.txt requirements-quant.in
+
+lock-check-quant: $(VENV_QUANT)/.stamp ## fail if requirements-quant.txt is out of date with its .in file
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && cp requirements-quant.in requirements-quant.txt "$$tmp/" \
+	&& (cd "$$tmp" && $(PIP_COMPILE_QUANT) --output-file=requirements-quant.txt requirements-quant.in) \
+	&& { diff -u requirements-quant.txt "$$tmp/requirements-quant.txt" || { echo "lock-check-quant: requirements-quant.txt is out of date with requirements-quant.in: run make lock-quant"; exit 1; }; } \
+	&& echo "lock-check-quant: requirements-quant.txt matches requirements-quant.in"
+
+lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml, check that settings agree
 	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/hadolint Dockerfile.quant
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 	$(VENV)/bin/python docker/check-settings.py
-	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh; do bash -n "$$f" || exit 1; done
+	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh bench/*.sh; do bash -n "$$f" || exit 1; done
 	@if command -v docker-compose >/dev/null 2>&1; then docker-compose -f docker-compose.yml config -q && echo "docker-compose config: ok"; \
 	elif docker compose version >/dev/null 2>&1; then docker compose -f docker-compose.yml config -q && echo "docker compose config: ok"; \
 	else echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; fi

@@ -1,4 +1,4 @@
-"""Check that every setting has one default: Dockerfile ARGs, docker-compose.yml and .env.example.
+"""Check that every setting has one default: Dockerfile and Dockerfile.quant ARGs, docker-compose.yml, .env.example.
 
 Run by `make lint`. Fails when docker-compose.yml reads a variable that .env.example does not
 document, or when a default differs between the three files (e.g. a new flash-attn wheel in the
@@ -16,7 +16,8 @@ ARG_FROM_SETTING = {"USER_UID": "HOST_UID", "USER_GID": "HOST_GID"}
 
 
 def main(root: Path) -> int:
-    args = {m[1]: m[2].strip('"') for m in re.finditer(r"^ARG (\w+)=(.*)$", (root / "Dockerfile").read_text(), re.M)}
+    args = {m[1]: m[2].strip('"') for f in ("Dockerfile", "Dockerfile.quant")
+            for m in re.finditer(r"^ARG (\w+)=(.*)$", (root / f).read_text(), re.M)}
     compose = {m[1]: m[2] for m in re.finditer(r"\$\{(\w+):?-([^}]*)\}", (root / "docker-compose.yml").read_text())}
     env = {m[1]: m[2] for m in re.finditer(r"^(\w+)=(.*)$", (root / ".env.example").read_text(), re.M)}
     problems = [f"docker-compose.yml reads {name}, which .env.example does not document"
@@ -27,11 +28,11 @@ def main(root: Path) -> int:
     for arg, value in args.items():
         setting = ARG_FROM_SETTING.get(arg, arg)
         if setting in env and env[setting] != value:
-            problems.append(f"{setting}: .env.example says {env[setting]!r}, the Dockerfile's ARG {arg} defaults to {value!r}")
+            problems.append(f"{setting}: .env.example says {env[setting]!r}, a Dockerfile's ARG {arg} defaults to {value!r}")
     for p in problems:
         print(f"check-settings: {p}", file=sys.stderr)
     if not problems:
-        print(f"check-settings: {len(env)} settings, one default each in Dockerfile, docker-compose.yml, .env.example")
+        print(f"check-settings: {len(env)} settings, one default each in Dockerfile, Dockerfile.quant, docker-compose.yml, .env.example")
     return 1 if problems else 0
 
 
