@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (lent 2x H200): issue 5's export chain on the SYNTHETIC Qwen2.5-7B, logs under $OUT.
-#   synth-model -> a short 2-GPU QLoRA train (preset D) -> `tuneledger export` of its checkpoint on cuda
+#   synth-model -> a short 2-GPU QLoRA train (preset C, crashed and resumed) -> `tuneledger export` of its checkpoint on cuda
 #   (bf16 merge, verified against base + adapter) -> `tuneledger quantize` (llm-compressor AWQ W4A16,
 #   group 128) on cuda, calibrated on the run's own data, and its quality check against the bf16 merge.
 # Random weights: the merge check is real, but the INT4 quality numbers (agreement, perplexity) only
@@ -15,8 +15,10 @@
 # back even when one runs long. $OUT gets at most 8 files.
 set -uo pipefail
 NPROC=${NPROC:-2}
-PRESET=${PRESET:-D}
+PRESET=${PRESET:-C}
 STEPS=${STEPS:-6}
+SAVE=${SAVE:-3}
+CRASH_AT=${CRASH_AT:-4}
 SCHEME=${SCHEME:-awq}
 SAMPLES=${SAMPLES:-64}
 SEQ_LEN=${SEQ_LEN:-512}
@@ -24,7 +26,7 @@ HELDOUT=${HELDOUT:-16}
 N_GRID=${N_GRID:-20}
 DATASET=${DATASET:-.carry/alpaca_zh_demo.json}
 DEADLINE=${DEADLINE:-500}
-TRAIN_BUDGET=${TRAIN_BUDGET:-200}
+TRAIN_BUDGET=${TRAIN_BUDGET:-110}   # per start
 EXPORT_BUDGET=${EXPORT_BUDGET:-150}
 OUT=${OUT:-/tmp/out}
 MODEL=/tmp/models/synthetic-qwen2.5-7b
@@ -54,11 +56,18 @@ if [ ! -f $MODEL/config.json ]; then
   $TL synth-model --arch qwen2.5-7b $MODEL 2>&1 | tail -2 | tee -a "$LOG"
 fi
 
-stamp "train: preset $PRESET, $STEPS steps, $NPROC GPUs (QLoRA)"
-timeout -k 20 -s INT "$(budget "$TRAIN_BUDGET")" $TL train configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL \
-  dataset=$DATASET run_name=h200-export output_dir=$RUN cache_dir=/tmp/cache preset=$PRESET max_steps=$STEPS \
-  save_steps=$STEPS logging_steps=1 --nproc "$NPROC" > "$OUT/train-export.log" 2>&1
-stamp "train exit $?"
+# Issue 2's `train` on 2 GPUs, with a crash and a resume: the first start dies (os._exit, like a
+# lost machine) after step CRASH_AT, past the checkpoint at SAVE; the second start must resume from
+# checkpoint-SAVE and finish at STEPS. Then the export reads checkpoint-STEPS.
+TRAIN="$TL train configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL dataset=$DATASET run_name=h200-export \
+  output_dir=$RUN cache_dir=/tmp/cache preset=$PRESET max_steps=$STEPS save_steps=$SAVE logging_steps=1 --nproc $NPROC"
+stamp "train: preset $PRESET, $STEPS steps, checkpoint every $SAVE, $NPROC GPUs (QLoRA); crash after step $CRASH_AT"
+TUNELEDGER_CRASH_AFTER_STEP=$CRASH_AT timeout -k 20 -s INT "$(budget "$TRAIN_BUDGET")" $TRAIN > "$OUT/train-export.log" 2>&1
+stamp "train (crash injected) exit $?; checkpoints: $(ls -d $RUN/checkpoint-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+echo "===== started again: must resume from checkpoint-$SAVE =====" >> "$OUT/train-export.log"
+timeout -k 20 -s INT "$(budget "$TRAIN_BUDGET")" $TRAIN >> "$OUT/train-export.log" 2>&1
+stamp "train (resumed) exit $?; checkpoints: $(ls -d $RUN/checkpoint-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+grep -iE "resum|already" "$OUT/train-export.log" | head -3 | tee -a "$LOG"
 tail -2 "$OUT/train-export.log" | tee -a "$LOG"
 
 stamp "export (bf16 merge, verified) on cuda"
