@@ -82,7 +82,7 @@ QUANT_TORCH_INDEX ?=
 QUANT_CUDA_WHEELS := torch|triton|cuda-.*|nvidia-(cu|nccl|nv).*
 $(VENV_QUANT)/.stamp: requirements-quant.txt pyproject.toml
 	@test -n "$(PYTHON_QUANT)" || { echo "no Python 3.11 found; set PYTHON_QUANT=/path/to/python3.11"; exit 1; }
-	$(PYTHON_QUANT) -m venv $(VENV_QUANT)
+	$(PYTHON_QUANT) -m venv --clear $(VENV_QUANT)
 	$(VENV_QUANT)/bin/pip install -q --no-deps $(if $(QUANT_TORCH_INDEX),--index-url $(QUANT_TORCH_INDEX)) "$(QUANT_TORCH)"
 	$(VENV_QUANT)/bin/python docker/lockfilter.py --drop '$(QUANT_CUDA_WHEELS)' requirements-quant.txt > $(VENV_QUANT)/lock-cpu.txt
 	$(VENV_QUANT)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: -r $(VENV_QUANT)/lock-cpu.txt

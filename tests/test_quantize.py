@@ -179,6 +179,7 @@ def test_refusals_name_the_file_and_field(tiny_export, tmp_path):
 
     refused(tmp_path / "nowhere", r"nowhere/config.json not found")
     refused(tiny_export, r"--scheme 'int3'", scheme="int3")
+    refused(tiny_export, r"--n-grid 2: must be at least 3", n_grid=2)
     refused(tiny_export, r"config.json: input widths 128 \(model.layers.0.self_attn.q_proj\), 256 \(model.layers.0.mlp."
                          r"down_proj\) are not multiples of --group-size 96; --group-size 128 divides", group_size=96)
 

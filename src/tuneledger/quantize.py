@@ -238,6 +238,11 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
 
     if scheme not in SCHEMES:
         raise QuantizeError(f"--scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
+    for name, value, least in (("--samples", samples, 1), ("--seq-len", seq_len, 2), ("--heldout", heldout, 1),
+                               ("--group-size", group_size, 1), ("--max-new-tokens", max_new_tokens, 1),
+                               ("--n-grid", n_grid, 3)):  # AWQ's grid search divides by n_grid - 2
+        if value < least:
+            raise QuantizeError(f"{name} {value}: must be at least {least}")
     if out.resolve() == merged.resolve():
         raise QuantizeError(f"--out {out} is the bf16 export itself; the INT4 model goes in its own directory")
     t0 = time.perf_counter()
