@@ -38,7 +38,7 @@ t0=$(date +%s)
 LOG=$OUT/machine-export.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-budget() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }   # min(stage budget, time left)
+budget() { local l; l=$(left); l=$(( $1 < l ? $1 : l )); echo $(( l > 1 ? l : 1 )); }   # min(stage budget, time left), >= 1 (timeout 0 means none)
 
 export PYTHONPATH=/tmp/site:$PWD/src
 if ! python3 -c 'import llmcompressor, bitsandbytes, datasets' >/dev/null 2>&1; then
@@ -76,7 +76,7 @@ stamp "export exit $?"
 grep -E "^exported|tuneledger export:" "$OUT/export.log" | tee -a "$LOG"
 
 stamp "quantize $SCHEME: $SAMPLES x $SEQ_LEN calibration tokens, $HELDOUT held out, n_grid $N_GRID, on cuda"
-timeout -k 20 -s INT "$(( $(left) - 15 ))" $TL quantize --merged $RUN/export --scheme "$SCHEME" --samples "$SAMPLES" \
+timeout -k 20 -s INT "$(budget $(( $(left) - 15 )))" $TL quantize --merged $RUN/export --scheme "$SCHEME" --samples "$SAMPLES" \
   --seq-len "$SEQ_LEN" --heldout "$HELDOUT" --n-grid "$N_GRID" --device cuda > "$OUT/quant.log" 2>&1
 stamp "quantize exit $?"
 tail -7 "$OUT/quant.log" | tee -a "$LOG"

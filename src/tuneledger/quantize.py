@@ -260,6 +260,8 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
     config = json.loads((merged / "config.json").read_text())
     check_group_size(merged, group_size)
 
+    print(f"quantize: {scheme} W4A16 group {group_size} of {merged}: {len(calib)} calibration records "
+          f"({sum(map(len, enc['input_ids'])):,} tokens), {len(held)} held out, on {device}", flush=True)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -271,6 +273,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
         oneshot(model=model, tokenizer=tokenizer, dataset=calib_ds, recipe=recipe(scheme, group_size, n_grid),
                 num_calibration_samples=len(calib), max_seq_length=seq_len, shuffle_calibration_samples=False)
         calibrate_s = time.perf_counter() - t1
+        print(f"quantize: calibrated on {len(calib)} records in {calibrate_s:.0f} s; saving", flush=True)
         model.save_pretrained(tmp, save_compressed=True)
         del model
         for f in merged.iterdir():
@@ -282,6 +285,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
             raise QuantizeError(f"{tmp / 'config.json'}: field 'quantization_config' is not 4-bit compressed-tensors: {qcfg}")
 
         t2 = time.perf_counter()
+        print(f"quantize: checking INT4 against bf16 on {len(held)} held-out records", flush=True)
         ref = evaluate(merged, tokenizer, prompts, texts, seq_len, max_new_tokens, device)
         got = evaluate(tmp, tokenizer, prompts, texts, seq_len, max_new_tokens, device, ref["continuations"])
         evaluate_s = time.perf_counter() - t2
