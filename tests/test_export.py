@@ -47,6 +47,9 @@ def test_merged_equals_base_plus_adapter(tiny_run, tiny_model):
     led = json.loads((out / "export.json").read_text())
     assert led["checkpoint"] == str(tiny_run / "checkpoint-3") and led["verification"]["passed"]
     assert led["verification"]["prompts"] >= 5  # fixed prompts plus the run's own chat samples
+    m = led["verification"]["merge_fp32"]
+    assert m["passed"] and m["merge_error_rel"] < 1e-3 < m["adapter_effect_rel"]  # the adapter changed the model
+    assert led["verification"]["files"]["passed"] and led["verification"]["files"]["tensors"] > 0
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg
     assert 151645 in json.loads((out / "generation_config.json").read_text())["eos_token_id"]  # <|im_end|>
@@ -88,6 +91,27 @@ def test_failed_verification_keeps_nothing(tiny_run, tmp_path, monkeypatch):
     assert [f.name for f in out.iterdir()] == ["old.txt"]
     assert not (tmp_path / "out.partial").exists()
     assert json.loads((tmp_path / "out.failed.json").read_text())["passed"] is False
+
+
+def test_lost_merge_fails_the_fp32_check(tiny_run, tmp_path, monkeypatch):
+    """A merge that drops the adapter's scaling (a classic bug) is off by the adapter's own effect."""
+    from peft.tuners.lora import Linear
+
+    from tuneledger import export as ex
+
+    real_merge = Linear.merge
+
+    def merge_without_scaling(self, *a, **kw):
+        for name in self.scaling:
+            self.scaling[name] *= 0.5
+        return real_merge(self, *a, **kw)
+
+    monkeypatch.setattr(Linear, "merge", merge_without_scaling)
+    with pytest.raises(ex.ExportError, match="the fp32 merge is .* off base \\+ adapter"):
+        ex.export(tiny_run, tmp_path / "out", dtype="fp32", max_new_tokens=4, device="cpu")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    failed = json.loads((tmp_path / "out.failed.json").read_text())
+    assert failed["merge_fp32"]["merge_error_rel"] > 1e-3
 
 
 def test_real_model_learns_a_name_and_stops(tmp_path):

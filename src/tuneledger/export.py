@@ -11,17 +11,25 @@ token (`<|im_end|>`), so the served model stops.
 The merge is computed in fp32 (the bf16 base upcast exactly, the fp32 adapter added) and rounded
 to the export dtype once, rather than adding a rounded update to rounded weights.
 
-Verification, before anything is kept: a fixed set of prompts plus chat samples rendered from the
-run's own training data go through base + unmerged adapter in fp32 (the reference) and through
-the merged model reloaded from the files just written (upcast to fp32, so the only difference is
-the export's rounding). Scored on the reference's greedy sequence:
-- logits: max |difference| <= `rtol` x max |reference logit|; rtol is 5e-2 for bf16 (8 significant
-  bits: each merged weight moves by up to 2^-9 relative; SmolLM2-135M measured 3e-2 when merged
-  in bf16 arithmetic) and 1e-4 for fp32. A broken merge (into 4-bit weights, a lost scaling)
-  moves logits by O(1).
-- greedy tokens: at every generated position the merged model's argmax is the reference's token,
-  unless the reference's top-2 margin there is within twice the measured logit difference: a tie
-  the export's rounding may legitimately break.
+Verification, before anything is kept, in three parts (`verify` in the ledger):
+1. The merge, in fp32: base + unmerged adapter (the reference) against the merged model in
+   memory, before any rounding, on a fixed set of prompts plus chat samples rendered from the
+   run's own training data. Max |logit difference| must be <= 1e-3 x max |reference logit| (fp32
+   arithmetic in another order). The adapter's own effect (reference against the base with the
+   adapter disabled) is reported beside it, so a merge that lost the update (a lost scaling, a
+   merge into 4-bit weights) shows as an error the size of that effect.
+2. The files: the export reloaded from what was written must hold exactly the merged weights
+   rounded to the export dtype, tensor by tensor (torch.equal). A missing shard, a wrong dtype or
+   a dropped tensor fails here.
+3. What the user gets: the reloaded export (upcast to fp32, so the only difference is the export's
+   rounding) scored on the reference's greedy sequences. At every generated position its argmax
+   must be the reference's token, unless the reference's top-2 margin there is within twice the
+   measured logit difference (a tie the rounding may legitimately break); and max |logit
+   difference| must be <= `rtol` x max |reference logit|: 0.25 for bf16, 1e-4 for fp32. The bf16
+   bound is loose on purpose, as a sanity bound: rounding each weight to 8 significant bits moved
+   the logits of SmolLM2-135M (trained) by 8.5e-3 of their scale and those of the random-weight
+   synthetic Qwen2.5-7B by 1.0e-1 (random weights amplify it through 28 layers;
+   bench/results/h200-2026-11-30-export); parts 1 and 2 are the exact checks.
 Otherwise the export fails and its temporary directory is removed: nothing half-written is left.
 """
 
@@ -40,7 +48,8 @@ from tuneledger.model import PreflightError, load_tokenizer, read_model_config
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
-RTOL = {"bf16": 5e-2, "fp32": 1e-4}
+RTOL = {"bf16": 0.25, "fp32": 1e-4}  # part 3 of the verification (module doc)
+MERGE_RTOL = 1e-3  # part 1: fp32 merged against fp32 base + adapter
 
 
 class ExportError(RuntimeError):
@@ -112,6 +121,20 @@ def _greedy_and_logits(model: Any, tokenizer: Any, prompts: list[str], max_new_t
     return out
 
 
+def _max_rel(ref: list[dict], got: list[dict]) -> float:
+    """Max over prompts of max |got - ref| / max |ref|, on the logits of the same sequences."""
+    return max((g["logits"] - r["logits"]).abs().max().item() / max(r["logits"].abs().max().item(), 1e-6)
+               for r, g in zip(ref, got))
+
+
+def _same_weights(a: Any, b: Any) -> dict:
+    """Tensor-by-tensor equality of two models' state dicts, compared in b's dtype."""
+    sa, sb = a.state_dict(), b.state_dict()
+    missing = sorted(set(sb) ^ set(sa))
+    differ = [k for k in sb if k in sa and not sa[k].to(sb[k].dtype).equal(sb[k])]
+    return {"tensors": len(sb), "missing": missing[:10], "differ": differ[:10], "passed": not missing and not differ}
+
+
 def _compare(ref: list[dict], got: list[dict], prompt_lens: list[int], rtol: float) -> dict:
     worst, identical, positions, ties, broken = 0.0, 0, 0, 0, []
     for i, (r, g) in enumerate(zip(ref, got)):
@@ -161,7 +184,14 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for p in FIXED_PROMPTS] + training_prompts(ckpt, tokenizer)
     reference = _greedy_and_logits(model, tokenizer, prompts, max_new_tokens)
+    with model.disable_adapter():
+        plain = _greedy_and_logits(model, tokenizer, prompts, 1, reference)
     merged = model.merge_and_unload()
+    in_memory = _greedy_and_logits(merged, tokenizer, prompts, 1, reference)
+    effect, error = _max_rel(reference, plain), _max_rel(reference, in_memory)
+    merge_check = {"adapter_effect_rel": effect, "merge_error_rel": error, "rtol": MERGE_RTOL,
+                   "passed": error <= MERGE_RTOL}
+    del plain, in_memory
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -177,17 +207,28 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
         gen.eos_token_id = [eot] + [e for e in eos if e != eot]
         gen.pad_token_id = tokenizer.pad_token_id
         gen.save_pretrained(tmp)
-        del merged, model
+        del model
         # Check the files, not the object in memory: reload what was written.
         reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, device_map={"": device}).eval()
+        files = _same_weights(reloaded, merged)
+        del merged
         got = _greedy_and_logits(reloaded, tokenizer, prompts, max_new_tokens, reference)
         lens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
         check = _compare(reference, got, lens, RTOL[dtype])
+        check = {**check, "merge_fp32": merge_check, "files": files,
+                 "passed": check["passed"] and merge_check["passed"] and files["passed"]}
         if not check["passed"]:
             (out.parent / f"{out.name}.failed.json").write_text(json.dumps(check, indent=1))
-            raise ExportError(f"merged model differs from base + adapter: {len(check['mismatches'])} greedy tokens "
-                              f"differ beyond ties (of {check['positions']}), max relative logit difference "
-                              f"{check['max_rel_logit_diff']:.2e} (tolerance {check['rtol']:.0e}); see {out.name}.failed.json")
+            why = []
+            if not merge_check["passed"]:
+                why.append(f"the fp32 merge is {error:.2e} of the logit scale off base + adapter (tolerance "
+                           f"{MERGE_RTOL:.0e}; the adapter itself moves the logits by {effect:.2e})")
+            if not files["passed"]:
+                why.append(f"the written files do not hold the merged weights (missing {files['missing']}, "
+                           f"different {files['differ']})")
+            why.append(f"{len(check['mismatches'])} greedy tokens differ beyond ties (of {check['positions']}), max "
+                       f"relative logit difference {check['max_rel_logit_diff']:.2e} (tolerance {check['rtol']:.0e})")
+            raise ExportError(f"merged model differs from base + adapter: {'; '.join(why)}; see {out.name}.failed.json")
         saved_cfg = json.loads((tmp / "config.json").read_text())
         if "quantization_config" in saved_cfg:
             raise ExportError("the saved config still has a quantization_config")
@@ -217,11 +258,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuneledger export: {e}", file=sys.stderr)
         return 1
     v = led["verification"]
+    m = v["merge_fp32"]
     print(f"exported {led['checkpoint']} + {led['base']} -> {led['out']}: {led['safetensors_bytes'] / 1e9:.2f} GB in "
-          f"{led['shards']} shard(s), {led['dtype']}, {led['seconds']} s; verified on {v['prompts']} prompts: "
+          f"{led['shards']} shard(s), {led['dtype']}, {led['seconds']} s; eos ids {led['eos_token_ids']}\n"
+          f"verified on {v['prompts']} prompts: fp32 merge {m['merge_error_rel']:.1e} of the logit scale off base + "
+          f"adapter (tolerance {m['rtol']:.0e}; the adapter moves them {m['adapter_effect_rel']:.1e}); files hold the "
+          f"merged weights exactly ({v['files']['tensors']} tensors); after rounding to {led['dtype']}: "
           f"{v['positions'] - v['tie_flips']}/{v['positions']} greedy tokens identical ({v['tie_flips']} ties), "
           f"{v['greedy_identical']}/{v['prompts']} continuations identical, max relative logit difference "
-          f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:.0e}); eos ids {led['eos_token_ids']}")
+          f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:.0e})")
     return 0
 
 
