@@ -227,7 +227,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
                 why.append(f"the written files do not hold the merged weights (missing {files['missing']}, "
                            f"different {files['differ']})")
             why.append(f"{len(check['mismatches'])} greedy tokens differ beyond ties (of {check['positions']}), max "
-                       f"relative logit difference {check['max_rel_logit_diff']:.2e} (tolerance {check['rtol']:.0e})")
+                       f"relative logit difference {check['max_rel_logit_diff']:.2e} (tolerance {check['rtol']:g})")
             raise ExportError(f"merged model differs from base + adapter: {'; '.join(why)}; see {out.name}.failed.json")
         saved_cfg = json.loads((tmp / "config.json").read_text())
         if "quantization_config" in saved_cfg:
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
           f"merged weights exactly ({v['files']['tensors']} tensors); after rounding to {led['dtype']}: "
           f"{v['positions'] - v['tie_flips']}/{v['positions']} greedy tokens identical ({v['tie_flips']} ties), "
           f"{v['greedy_identical']}/{v['prompts']} continuations identical, max relative logit difference "
-          f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:.0e})")
+          f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:g})")
     return 0
 
 
