@@ -40,8 +40,9 @@ import json
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tuneledger.launch import last_checkpoint
 from tuneledger.model import PreflightError, load_tokenizer, read_model_config
@@ -50,6 +51,22 @@ FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
 RTOL = {"bf16": 0.25, "fp32": 1e-4}  # part 3 of the verification (module doc)
 MERGE_RTOL = 1e-3  # part 1: fp32 merged against fp32 base + adapter
+
+
+@contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """Yields an empty `<out>.partial` to write into. On success it replaces `out` whole; on any
+    failure (an exception, Ctrl-C) it is removed and `out` stays as it was: nothing half-written."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 class ExportError(RuntimeError):
@@ -193,9 +210,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
                    "passed": error <= MERGE_RTOL}
     del plain, in_memory
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out) as tmp:
         merged.config.use_cache = True
         if hasattr(merged.config, "quantization_config"):
             del merged.config.quantization_config
@@ -240,13 +255,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
             "samples": [tokenizer.decode(g["tokens"], skip_special_tokens=False) for g in got[:2]],
         }
         (tmp / "export.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        return ledger
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return ledger
 
 
 def run(args: argparse.Namespace) -> int:

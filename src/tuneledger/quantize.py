@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tuneledger.export import atomic_dir
+
 SCHEMES = {"awq": {"symmetric": False, "method": "AWQModifier + QuantizationModifier"},
            "gptq": {"symmetric": True, "method": "GPTQModifier"}}
 # Files of the bf16 export that the quantized model takes as they are (everything but weights, config, ledger).
@@ -262,9 +264,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
 
     print(f"quantize: {scheme} W4A16 group {group_size} of {merged}: {len(calib)} calibration records "
           f"({sum(map(len, enc['input_ids'])):,} tokens), {len(held)} held out, on {device}", flush=True)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out) as tmp:
         # Loaded on the CPU: llm-compressor's sequential pipeline moves one decoder layer at a time to
         # the GPU (when there is one), so a 7B model calibrates in a few GB of GPU memory.
         model = AutoModelForCausalLM.from_pretrained(merged, dtype="auto")
@@ -314,13 +314,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
             "samples": [tokenizer.decode(c) for c in got["continuations"][:2]],
         }
         (tmp / "quant.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        return ledger
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return ledger
 
 
 def run(args: argparse.Namespace) -> int:
