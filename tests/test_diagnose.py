@@ -137,7 +137,7 @@ def test_monitor_window_to_verdict():
 
 
 def test_allocator_cache_is_not_memory_pressure():
-    """Preset D on one H200 (bench/results/h200-2026-11-30-scaling): 71 GiB allocated, 130 GiB
+    """Preset D on one H200 (bench/results/h200-2026-11-30-scaling): 69 GiB allocated, 130 GiB
     reserved by the caching allocator (packed batches of varying length fragment it), GPU 90%
     busy. The dry-run first called this memory-bound and advised GC on; the run needed half the
     GPU. The verdict reads allocated memory; the samples are that window's NVML rows."""

@@ -240,3 +240,16 @@ def test_real_weights_smollm2(tmp_path):
 def test_without_llm_compressor_it_says_where_to_run(tmp_path):
     p = quantize_cli("--merged", str(tmp_path))
     assert p.returncode == 1 and "is not installed here" in p.stderr and ".venv-quant" in p.stderr
+
+
+def test_group_size_default_fits_the_model(tiny_model, capsys):
+    """Left unset, the group size is 128 where it divides every layer, else the largest that does
+    (conftest's tiny model is 64 wide: `make quantize` on a CPU run works without QUANT_ARGS); an
+    explicit one that does not fit is refused. Shapes only: runs in either venv."""
+    from tuneledger.quantize import QuantizeError, check_group_size
+
+    assert check_group_size(Path(tiny_model), None) == 64
+    assert "group size 64, not 128" in capsys.readouterr().out
+    assert check_group_size(Path(tiny_model), 32) == 32
+    with pytest.raises(QuantizeError, match=r"not multiples of --group-size 128; --group-size 64 divides"):
+        check_group_size(Path(tiny_model), 128)

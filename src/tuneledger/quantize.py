@@ -13,7 +13,8 @@ needs torch >= 2.10, which the trainer's torch 2.5.1 image cannot hold.
   (activation-aware scales) then W4A16 asymmetric (a zero point per group), as the field report's
   AWQ INT4; `gptq` is GPTQModifier, W4A16 symmetric. Both quantize every Linear but lm_head, in
   groups of `group_size` (128) input columns; a layer whose input width is not a multiple of it is
-  refused by llm-compressor, naming the layer (SmolLM2-135M's 576 needs --group-size 64).
+  refused, naming the layer; left unset, a model whose widths 128 does not divide gets the largest
+  of 64, 32, 16 that does (SmolLM2-135M's 576: 64), said on the terminal.
 - Calibration: `samples` records of the run's own training data (the dataset and placeholders in
   the run's job.json), rendered by the tokenizer's chat template with their replies, truncated to
   `seq_len` tokens. `heldout` other records, never seen in calibration, make the quality check.
@@ -136,26 +137,33 @@ def recipe(scheme: str, group_size: int, n_grid: int) -> list:
     return [GPTQModifier(config_groups=groups, ignore=["lm_head"])]
 
 
-def check_group_size(merged: Path, group_size: int) -> None:
-    """Refuse a group size that does not divide the input width of every quantized Linear (all but
-    lm_head), naming the widths and a size that fits; llm-compressor would fail deep inside."""
+def check_group_size(merged: Path, group_size: int | None) -> int:
+    """The group size to use. An explicit one that does not divide the input width of every
+    quantized Linear (all but lm_head) is refused, naming the widths and a size that fits
+    (llm-compressor would fail deep inside). None (the default) means 128, or else the largest of
+    64, 32, 16 that fits every layer, said on the terminal: a tiny model's 64-wide layers take 64."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes only, no weights
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(merged))
-    bad: dict[int, str] = {}
-    widths = set()
+    widths: dict[int, str] = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head":
-            widths.add(m.in_features)
-            if m.in_features % group_size:
-                bad.setdefault(m.in_features, name)
+            widths.setdefault(m.in_features, name)
+    fit = next((g for g in (128, 64, 32, 16) if all(w % g == 0 for w in widths)), None)
+    if group_size is None and fit:
+        if fit != 128:
+            print(f"quantize: group size {fit}, not 128: input widths {sorted(widths)} are not all multiples of 128",
+                  flush=True)
+        return fit
+    group_size = group_size or 128
+    bad = {w: n for w, n in widths.items() if w % group_size}
     if bad:
-        fit = next((g for g in (128, 64, 32, 16) if all(w % g == 0 for w in widths)), None)
         raise QuantizeError(f"{merged / 'config.json'}: input widths " + ", ".join(f"{w} ({n})" for w, n in bad.items())
                             + f" are not multiples of --group-size {group_size}"
                             + (f"; --group-size {fit} divides every layer's" if fit else ""))
+    return group_size
 
 
 def evaluate(path: Path, tokenizer: Any, prompts: list[str], texts: list[str], seq_len: int, max_new_tokens: int,
@@ -214,7 +222,7 @@ def _bytes(path: Path) -> int:
 
 
 def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, seq_len: int = 512, heldout: int = 16,
-             group_size: int = 128, max_new_tokens: int = 32, n_grid: int = 20, seed: int = 0,
+             group_size: int | None = None, max_new_tokens: int = 32, n_grid: int = 20, seed: int = 0,
              dataset: list[str] | None = None, device: str | None = None) -> dict:
     """Calibrate, quantize to W4A16, save in compressed-tensors format, check against the bf16 export.
 
@@ -243,7 +251,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
     for name, value, least in (("--samples", samples, 1), ("--seq-len", seq_len, 2), ("--heldout", heldout, 1),
                                ("--group-size", group_size, 1), ("--max-new-tokens", max_new_tokens, 1),
                                ("--n-grid", n_grid, 3)):  # AWQ's grid search divides by n_grid - 2
-        if value < least:
+        if value is not None and value < least:
             raise QuantizeError(f"{name} {value}: must be at least {least}")
     if out.resolve() == merged.resolve():
         raise QuantizeError(f"--out {out} is the bf16 export itself; the INT4 model goes in its own directory")
@@ -260,7 +268,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
     calib_ds = Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = json.loads((merged / "config.json").read_text())
-    check_group_size(merged, group_size)
+    group_size = check_group_size(merged, group_size)
 
     print(f"quantize: {scheme} W4A16 group {group_size} of {merged}: {len(calib)} calibration records "
           f"({sum(map(len, enc['input_ids'])):,} tokens), {len(held)} held out, on {device}", flush=True)
@@ -352,7 +360,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--samples", type=int, default=64, help="calibration records (default 64)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration and perplexity record (default 512)")
     p.add_argument("--heldout", type=int, default=16, help="records held out for the quality check (default 16)")
-    p.add_argument("--group-size", type=int, default=128, help="input columns per scale (default 128)")
+    p.add_argument("--group-size", type=int, help="input columns per scale (default 128, or the largest of 64/32/16 "
+                   "that divides every layer)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per held-out prompt (default 32)")
     p.add_argument("--n-grid", type=int, default=20, help="AWQ's scale search points per layer group (default 20)")
     p.add_argument("--seed", type=int, default=0, help="the shuffle that splits held-out and calibration records")
