@@ -107,7 +107,7 @@ def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
     gpu = summarize_window(rows, *row["window_utc"], gpus=used_gpus(nproc)) if rows else None
     total = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu and gpu["gpus"] else None
     # Allocated, not reserved: the caching allocator keeps freed blocks (packed batches of varying
-    # length fragment it: 130 GiB reserved for 71 GiB allocated, preset D on one H200) and gives
+    # length fragment it: 130 GiB reserved for 69 GiB allocated, preset D on one H200) and gives
     # them back before it would run out, so reserved memory overstates what the run needs.
     peak = max((m["peak_allocated"] or 0) for m in row["memory_mib"])
     split = row["split"]
