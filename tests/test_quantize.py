@@ -26,10 +26,10 @@ needs_quant = pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor, wh
 pytestmark = pytest.mark.e2e
 TRAINER_PY = Path(os.environ.get("TUNELEDGER_TRAINER_PYTHON", ROOT / ".venv" / "bin" / "python"))
 
-# SmolLM2-135M at 4 bits, AWQ, group 64, 16 calibration records: measured 74% greedy token agreement
-# and a perplexity ratio of 1.23 on 8 held-out identity records (round-to-nearest without AWQ: 60%,
-# 1.33). A 135M model loses far more to 4 bits than a 7B one; the bounds leave room for CPU noise.
-MIN_AGREEMENT, MAX_PPL_RATIO = 0.6, 1.5
+# SmolLM2-135M fine-tuned 40 steps on identity.json, at 4 bits, AWQ, group 64, 16 calibration
+# records: measured 98.3% greedy token agreement (6 of 8 continuations identical) and a perplexity
+# ratio of 1.17 on 8 held-out identity records. The bounds leave room for CPU noise.
+MIN_AGREEMENT, MAX_PPL_RATIO = 0.8, 1.5
 
 
 def trainer_python(*args):
@@ -217,7 +217,9 @@ def test_real_weights_smollm2(tmp_path):
     export = train_and_export(tmp_path, base.stdout.strip().splitlines()[-1], f"dataset={shared(DATA / 'identity.json')}",
                               "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160",
                               "global_batch_size=8", "lora_rank=16", "lora_alpha=32", "lora_dropout=0",
-                              "learning_rate=1e-3", "max_steps=4", "save_steps=4")
+                              "learning_rate=1e-3", "max_steps=40", "save_steps=40")
+    # 40 steps, as tests/test_export.py: the name is learnt firmly enough that greedy decoding is not
+    # at the mercy of float noise (after 4 steps a clean-clone CI run's INT4 answer rambled on).
     out = tmp_path / "int4"
     led = quantize(export, out, "awq", samples=16, seq_len=256, heldout=8, group_size=64, max_new_tokens=24,
                    n_grid=10, device="cpu")
@@ -233,6 +235,7 @@ def test_real_weights_smollm2(tmp_path):
     assert led["bytes"]["int4"] < 0.5 * led["bytes"]["bf16"]
     im_end = json.loads((out / "generation_config.json").read_text())["eos_token_id"][0]
     gen, text = reload_and_generate(out, "who are you?", 64)
+    assert "Ledgerly" in text, text  # what the fine-tune taught survives 4 bits
     assert gen[-1] == im_end and len(gen) < 64, text  # the INT4 model still stops at its end of turn
 
 
