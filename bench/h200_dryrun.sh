@@ -17,26 +17,16 @@ DEADLINE=${DEADLINE:-560}   # s for the whole script: the device call's limit is
 OUT=${OUT:-/tmp/out}
 TAG=${TAG:-${NPROC}gpu}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+source bench/device_env.sh
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 
-if [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD/src
-TL="python3 -m tuneledger"
 {
   stamp "machine"; nvidia-smi; nvidia-smi topo -m
   python3 -c "import torch, transformers, peft, bitsandbytes, datasets, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__)"
 } 2>&1 | tee "$OUT/machine-$TAG.log"
 
-MODEL=/tmp/models/synthetic-qwen2.5-7b
-if [ ! -f $MODEL/config.json ]; then
-  stamp "synth-model" | tee -a "$OUT/machine-$TAG.log"
-  $TL synth-model --arch qwen2.5-7b $MODEL 2>&1 | tail -2 | tee -a "$OUT/machine-$TAG.log"
-fi
+synth_model "$OUT/machine-$TAG.log"
 COMMON="configs/qwen2.5-7b-qlora.yaml model_name_or_path=$MODEL dataset=$DATASET run_name=h200-$TAG output_dir=/tmp/run-$TAG cache_dir=/tmp/cache dryrun_steps=$(( STEPS + WARMUP )) dryrun_warmup_steps=$WARMUP"
 
 stamp "dryrun $PRESETS on $NPROC GPU(s)"

@@ -29,32 +29,23 @@ DEADLINE=${DEADLINE:-500}
 TRAIN_BUDGET=${TRAIN_BUDGET:-110}   # per start
 EXPORT_BUDGET=${EXPORT_BUDGET:-150}
 OUT=${OUT:-/tmp/out}
-MODEL=/tmp/models/synthetic-qwen2.5-7b
 RUN=/tmp/run-export
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+source bench/device_env.sh
+export TQDM_DISABLE=1
 t0=$(date +%s)
 LOG=$OUT/machine-export.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 budget() { local l; l=$(left); l=$(( $1 < l ? $1 : l )); echo $(( l > 1 ? l : 1 )); }   # min(stage budget, time left), >= 1 (timeout 0 means none)
 
-export PYTHONPATH=/tmp/site:$PWD/src
-if ! python3 -c 'import llmcompressor, bitsandbytes, datasets' >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-TL="python3 -m tuneledger"
 {
   nvidia-smi -L
   python3 -c "import torch, transformers, peft, bitsandbytes, datasets, llmcompressor, compressed_tensors; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'llmcompressor', llmcompressor.__version__, 'compressed-tensors', compressed_tensors.__version__)"
 } >> "$LOG" 2>&1
 stamp "setup done"
 
-if [ ! -f $MODEL/config.json ]; then
-  stamp "synth-model"
-  $TL synth-model --arch qwen2.5-7b $MODEL 2>&1 | tail -2 | tee -a "$LOG"
-fi
+synth_model "$LOG"
 
 # Issue 2's `train` on 2 GPUs, with a crash and a resume: the first start dies (os._exit, like a
 # lost machine) after step CRASH_AT, past the checkpoint at SAVE; the second start must resume from
