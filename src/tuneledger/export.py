@@ -99,25 +99,36 @@ def check_base(base: str) -> dict:
     return config
 
 
-def training_prompts(checkpoint: Path, tokenizer: Any, n: int = 4) -> list[str]:
-    """Chat samples from the run's own data: the prompt part of the first `n` valid records."""
+def run_conversations(cfg: dict, files: list[str], limit: int | None = None) -> list[list[dict]]:
+    """The valid conversations ([{"role", "content"}, ...]) of `files` as a run trained on them:
+    with the placeholders and default system prompt of its resolved config `cfg` (job.json's
+    "config"). At most `limit`. Raises data.DataError for a file that cannot be read."""
     from tuneledger.data import read_records, to_messages
 
+    system = cfg.get("default_system")
+    out: list[list[dict]] = []
+    for f in files:
+        for where, obj in read_records(f):
+            msgs = to_messages(obj, where, cfg.get("placeholders") or {})
+            if not isinstance(msgs, list):
+                continue
+            if system is not None and msgs[0]["role"] != "system":
+                msgs = [{"role": "system", "content": system}] + msgs
+            out.append(msgs)
+            if limit is not None and len(out) >= limit:
+                return out
+    return out
+
+
+def training_prompts(checkpoint: Path, tokenizer: Any, n: int = 4) -> list[str]:
+    """Chat samples from the run's own data: the prompt part of the first `n` valid records."""
     job = checkpoint.parent / "job.json"
     if not job.is_file():
         return []
     cfg = json.loads(job.read_text())["config"]
-    out: list[str] = []
-    for f in cfg.get("dataset", []):
-        if not Path(f).is_file():
-            continue
-        for where, obj in read_records(f):
-            msgs = to_messages(obj, where, cfg.get("placeholders") or {})
-            if isinstance(msgs, list):
-                out.append(tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True))
-            if len(out) >= n:
-                return out
-    return out
+    files = [f for f in cfg.get("dataset", []) if Path(f).is_file()]
+    return [tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+            for msgs in run_conversations(cfg, files, limit=n)]
 
 
 def _greedy_and_logits(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int,
@@ -138,6 +149,14 @@ def _greedy_and_logits(model: Any, tokenizer: Any, prompts: list[str], max_new_t
     return out
 
 
+def _logits_on(model: Any, reference: list[dict]) -> list[dict]:
+    """`model`'s fp32 logits over each reference sequence (the same tokens, another model)."""
+    import torch
+
+    with torch.no_grad():
+        return [{"logits": model(input_ids=r["sequence"]).logits.float()} for r in reference]
+
+
 def _max_rel(ref: list[dict], got: list[dict]) -> float:
     """Max over prompts of max |got - ref| / max |ref|, on the logits of the same sequences."""
     return max((g["logits"] - r["logits"]).abs().max().item() / max(r["logits"].abs().max().item(), 1e-6)
@@ -153,11 +172,9 @@ def _same_weights(a: Any, b: Any) -> dict:
 
 
 def _compare(ref: list[dict], got: list[dict], prompt_lens: list[int], rtol: float) -> dict:
-    worst, identical, positions, ties, broken = 0.0, 0, 0, 0, []
+    worst, identical, positions, ties, broken = _max_rel(ref, got), 0, 0, 0, []
     for i, (r, g) in enumerate(zip(ref, got)):
-        scale = max(r["logits"].abs().max().item(), 1e-6)
         diff = (g["logits"] - r["logits"]).abs()
-        worst = max(worst, diff.max().item() / scale)
         identical += r["tokens"] == g["tokens"]
         # Teacher-forced on the reference sequence: logits at t predict token t + 1.
         seq = r["sequence"][0]
@@ -202,9 +219,9 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
                for p in FIXED_PROMPTS] + training_prompts(ckpt, tokenizer)
     reference = _greedy_and_logits(model, tokenizer, prompts, max_new_tokens)
     with model.disable_adapter():
-        plain = _greedy_and_logits(model, tokenizer, prompts, 1, reference)
+        plain = _logits_on(model, reference)
     merged = model.merge_and_unload()
-    in_memory = _greedy_and_logits(merged, tokenizer, prompts, 1, reference)
+    in_memory = _logits_on(merged, reference)
     effect, error = _max_rel(reference, plain), _max_rel(reference, in_memory)
     merge_check = {"adapter_effect_rel": effect, "merge_error_rel": error, "rtol": MERGE_RTOL,
                    "passed": error <= MERGE_RTOL}

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuneledger.export import atomic_dir
+from tuneledger.export import atomic_dir, run_conversations
 
 SCHEMES = {"awq": {"symmetric": False, "method": "AWQModifier + QuantizationModifier"},
            "gptq": {"symmetric": True, "method": "GPTQModifier"}}
@@ -81,14 +81,14 @@ def check_export(merged: Path) -> dict:
     return led
 
 
-def run_conversations(led: dict, led_path: Path, dataset: list[str] | None = None) -> tuple[list[list[dict]], dict]:
-    """The valid conversations (lists of {role, content}) of the run's training data, and the job config.
+def training_conversations(led: dict, led_path: Path, dataset: list[str] | None = None) -> tuple[list[list[dict]], dict]:
+    """The valid conversations (lists of {role, content}) of the run's training data, and their source files.
 
     The data files, placeholders and default system prompt come from job.json in the run directory
     of export.json's 'checkpoint' (what `tuneledger train` resolved), unless `dataset` names files.
     Raises QuantizeError when neither is there, or no record is valid.
     """
-    from tuneledger.data import DataError, read_records, to_messages
+    from tuneledger.data import DataError
 
     job = Path(str(led.get("checkpoint", ""))).parent / "job.json"
     cfg = json.loads(job.read_text())["config"] if job.is_file() else {}
@@ -96,18 +96,10 @@ def run_conversations(led: dict, led_path: Path, dataset: list[str] | None = Non
     if not files:
         raise QuantizeError(f"{led_path}: field 'checkpoint' ({led.get('checkpoint')}) has no job.json beside it "
                             f"({job}), so the run's training data is unknown; pass --dataset FILE[,FILE]")
-    system = cfg.get("default_system")
-    convs = []
-    for f in files:
-        try:
-            for where, obj in read_records(f):
-                msgs = to_messages(obj, where, cfg.get("placeholders") or {})
-                if isinstance(msgs, list) and msgs[-1]["role"] == "assistant":
-                    if system is not None and msgs[0]["role"] != "system":
-                        msgs = [{"role": "system", "content": system}] + msgs
-                    convs.append(msgs)
-        except DataError as e:
-            raise QuantizeError(f"{job if not dataset else '--dataset'}: field 'dataset': {e}") from None
+    try:
+        convs = run_conversations(cfg, files)
+    except DataError as e:
+        raise QuantizeError(f"{job if not dataset else '--dataset'}: field 'dataset': {e}") from None
     if not convs:
         raise QuantizeError(f"no valid record in {', '.join(map(str, files))}")
     return convs, {"files": [str(f) for f in files], "job": str(job) if cfg else None}
@@ -257,7 +249,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
         raise QuantizeError(f"--out {out} is the bf16 export itself; the INT4 model goes in its own directory")
     t0 = time.perf_counter()
     led = check_export(merged)
-    convs, data = run_conversations(led, merged / "export.json", dataset)
+    convs, data = training_conversations(led, merged / "export.json", dataset)
     held, calib = split(len(convs), heldout, samples, seed)
     tokenizer = load_tokenizer(str(merged))
     render = tokenizer.apply_chat_template
