@@ -93,7 +93,7 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
 
 def used_gpus(nproc: int) -> list[str]:
     """The GPUs the ranks ran on: local rank r uses the r-th visible GPU."""
-    from tuneledger.monitor import visible_gpus
+    from tuneledger.monitor.summary import visible_gpus
 
     return (visible_gpus() or [str(i) for i in range(nproc)])[:nproc]
 
@@ -102,7 +102,7 @@ def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
     """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict.
     Only the GPUs the ranks used count: an idle neighbour must not dilute the utilisation."""
     from tuneledger.diagnose import diagnose, load_thresholds
-    from tuneledger.monitor import summarize_window
+    from tuneledger.monitor.summary import summarize_window
 
     gpu = summarize_window(rows, *row["window_utc"], gpus=used_gpus(nproc)) if rows else None
     total = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu and gpu["gpus"] else None
@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.
     sampler = None
     if not cpu:
-        from tuneledger.monitor import InProcessSampler
+        from tuneledger.monitor.sampler import InProcessSampler
 
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
@@ -374,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
         "verdicts": {r["preset"]: r["diagnosis"]["line"] + " Lever: " + r["diagnosis"]["lever"] for r in done},
     }
     if samples and any(s.get("status") == "ok" for s in samples):
-        from tuneledger.monitor import parse_time, plot
+        from tuneledger.monitor.plot import plot
+        from tuneledger.monitor.rows import parse_time
 
         png = out_root / "dryrun-gpus.png"
         plot(samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],

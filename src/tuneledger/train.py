@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
     sampler = None
     if not cpu:
-        from tuneledger.monitor import InProcessSampler
+        from tuneledger.monitor.sampler import InProcessSampler
 
         sampler = InProcessSampler(interval=5.0, out_dir=out / "monitor").start()
     started = datetime.now(timezone.utc)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     result = json.loads((out / "train.json").read_text())
     if rows:
         from tuneledger.dryrun import used_gpus
-        from tuneledger.monitor import summarize_window
+        from tuneledger.monitor.summary import summarize_window
 
         gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
         result["gpu_window"] = gpu
