@@ -123,13 +123,15 @@ def tl_args(tmp_path, tiny_model, name):
             "logging_steps=1", "report_to=none", "--cpu"]
 
 
-def run_nodes(tmp_path, tiny_model, name, envs, restarts="0"):
-    """Two launchers on 127.0.0.1, node 0 and node 1, one process each; returns their results."""
+def run_nodes(tmp_path, tiny_model, name, envs, base=None):
+    """Two launchers on 127.0.0.1, node 0 and node 1, one process each; returns (exit code, output)
+    of each. base: the command without the node options (default: train `name`)."""
     port = free_port()
     procs = []
     for rank, extra in enumerate(envs):
-        cmd = tl_args(tmp_path, tiny_model, name) + ["--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
-                                                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", restarts]
+        cmd = (base or tl_args(tmp_path, tiny_model, name)) + [
+            "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--max-restarts", "0"]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **extra}, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
     outs = []
@@ -149,13 +151,16 @@ def losses(run: Path) -> list[float]:
 
 @pytest.mark.e2e
 def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path, tiny_model):
-    one = subprocess.run(tl_args(tmp_path, tiny_model, "one") + ["--nproc", "2"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=1500)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-
+    # The two launchers start on an empty data cache, as a first multi-node run does: both
+    # tokenize into the one shared cache at once.
     outs = run_nodes(tmp_path, tiny_model, "two", [{"TUNELEDGER_HOST": "node-a"}, {"TUNELEDGER_HOST": "node-b"}])
     for rc, out in outs:
         assert rc == 0, out[-4000:]
+    cached = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert len(cached) == 1 and ".tmp" not in cached[0], cached  # one copy, no half-written one left
+    one = subprocess.run(tl_args(tmp_path, tiny_model, "one") + ["--nproc", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=1500)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "node 0 of 2, c10d rendezvous 127.0.0.1:" in outs[0][1]
     assert "node 1: this node's ranks are done" in outs[1][1]
     assert "micro-batch 2 x world size 2 x gradient accumulation 2 = global batch 8" in outs[0][1]
@@ -181,3 +186,22 @@ def test_nodes_from_different_images_are_refused_naming_the_difference(tmp_path,
         assert "NodeMismatchError: the nodes of this job differ" in out, out[-4000:]
         assert "image: node-a sha256:aaa, node-b sha256:bbb" in out
     assert not list((tmp_path / "mixed").glob("checkpoint-*"))  # refused before a step ran
+
+
+@pytest.mark.e2e
+def test_dryrun_on_two_nodes_writes_one_ledger_with_the_nodes(tmp_path, tiny_model):
+    base = [sys.executable, "-m", "tuneledger", "dryrun", str(ROOT / "configs" / "tiny.yaml"),
+            f"model_name_or_path={tiny_model}", f"output_dir={tmp_path / 'dry'}", f"cache_dir={tmp_path / 'cache'}",
+            "max_samples=48", "cutoff_len=128", "global_batch_size=8", "dryrun_steps=3", "dryrun_warmup_steps=1",
+            "report_to=none", "--preset", "C", "--cpu"]
+    outs = run_nodes(tmp_path, tiny_model, "dry", [{"TUNELEDGER_HOST": "node-0"}, {"TUNELEDGER_HOST": "node-1"}], base)
+    for rc, out in outs:
+        assert rc == 0, out[-4000:]
+    assert "node 1: 1 preset(s) ran; node 0 writes the ledger" in outs[1][1]
+    led = json.loads((tmp_path / "dry" / "dryrun.json").read_text())
+    assert led["world_size"] == 2 and led["nodes"]["nnodes"] == 2 and sorted(led["nodes"]["hosts"]) == ["node-0", "node-1"]
+    row = led["presets"][0]
+    assert row["micro_batch"] * row["gradient_accumulation_steps"] * 2 == 8 and row["tokens_per_s"] > 0
+    assert led["nodes"]["allreduce_busbw_gbs"] == row["allreduce"]["busbw_gbs"] > 0
+    assert "- nodes: 2 x 1 (" in (tmp_path / "dry" / "dryrun.md").read_text()
+    assert (tmp_path / "dry" / "dryrun-node1.log").is_file()
