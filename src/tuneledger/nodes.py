@@ -62,8 +62,9 @@ class Nodes:
         return self.nnodes * nproc_per_node
 
     def suffix(self) -> str:
-        """For files each node's launcher writes beside the others' in the shared run folder."""
-        return f"-node{self.node_rank}" if self.multi else ""
+        """For the files (log, job) another node's launcher writes beside node 0's in the shared run
+        folder: node 0 keeps the usual names (train.log), node 1 writes train-node1.log."""
+        return "" if self.first else f"-node{self.node_rank}"
 
     def torchrun_args(self, nproc_per_node: int, rdzv_id: str) -> list[str]:
         """torchrun's options for a multi-node c10d rendezvous. Node 0 hosts the store (is_host);
