@@ -2,6 +2,7 @@
 #
 # Settings (all optional):  CONFIG=configs/x.yaml  PRESET=A|B|C|D|all  MODEL=<hub id or dir>
 #   DATASET=a.json,b.jsonl  RUN=<run name>  MAX_STEPS=N  STEPS=N (dry-run)  NPROC=N  ARGS="key=value ..."
+#   Several nodes (train, dryrun; docs/multi-node.md): NNODES=N NODE_RANK=R RDZV_ENDPOINT=host:port [MAX_RESTARTS=3]
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -54,12 +55,16 @@ DRYRUN_PRESET ?= $(or $(PRESET),all)
 OVERRIDES := model_name_or_path=$(MODEL) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
+# Make variables -> torchrun's c10d rendezvous across nodes (tuneledger.nodes); empty = one node.
+NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
+	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
 .PHONY: help venv stats dryrun train export test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
+	@echo "  several nodes (train, dryrun): NNODES= NODE_RANK= RDZV_ENDPOINT=host:port MAX_RESTARTS= (docs/multi-node.md)"
 
 $(VENV)/.stamp: requirements.txt pyproject.toml
 	@test -n "$(PYTHON)" || { echo "no Python 3.10 found; set PYTHON=/path/to/python3.10"; exit 1; }
@@ -102,10 +107,10 @@ stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch
 	$(TL) stats $(CONFIG) $(OVERRIDES)
 
 dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D)
-	$(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
+	$(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)
 
 train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
-	$(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
+	$(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)
 
 # The run to export: RUN, else the config's run_name.
 EXPORT_RUN = $(or $(RUN),$(shell sed -n 's/^run_name:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) | head -1))
@@ -193,12 +198,14 @@ lock-check-quant: $(VENV_QUANT)/.stamp ## fail if requirements-quant.txt is out 
 	&& { diff -u requirements-quant.txt "$$tmp/requirements-quant.txt" || { echo "lock-check-quant: requirements-quant.txt is out of date with requirements-quant.in: run make lock-quant"; exit 1; }; } \
 	&& echo "lock-check-quant: requirements-quant.txt matches requirements-quant.in"
 
-lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml, check that settings agree
+lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml and the k8s manifests, check that settings agree
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/hadolint Dockerfile.quant
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/check-jsonschema --schemafile deploy/k8s/schemas/pytorchjob-kubeflow.org-v1.json deploy/k8s/pytorchjob.yaml
+	$(VENV)/bin/check-jsonschema --schemafile deploy/k8s/schemas/jobset-jobset.x-k8s.io-v1alpha2.json deploy/k8s/jobset.yaml
 	$(VENV)/bin/python docker/check-settings.py
-	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh bench/*.sh; do bash -n "$$f" || exit 1; done
+	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh bench/*.sh deploy/slurm/*.sbatch; do bash -n "$$f" || exit 1; done
 	@if command -v docker-compose >/dev/null 2>&1; then docker-compose -f docker-compose.yml config -q && echo "docker-compose config: ok"; \
 	elif docker compose version >/dev/null 2>&1; then docker compose -f docker-compose.yml config -q && echo "docker compose config: ok"; \
 	else echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; fi

@@ -348,14 +348,20 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns("reason")
     report = summarize(ds, total, invalid, cfg)
     report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-    tmp = path.with_name(path.name + ".tmp")
+    # A folder of this process's own: the launchers of a multi-node job prepare the same data at
+    # once into one shared cache; the first to finish renames its copy into place.
+    import shutil
+    import socket
+
+    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     ds.save_to_disk(str(tmp))
     (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
-    if path.exists():  # another process won the race; keep its copy
-        import shutil
-        shutil.rmtree(tmp)
-    else:
+    try:
         tmp.rename(path)
+    except OSError:
+        if not path.exists():
+            raise
+        shutil.rmtree(tmp)  # another process won the race; keep its copy
     return Prepared(path, with_batch(report, cfg), invalid, False)
 
 

@@ -26,6 +26,8 @@ from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cl
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
 from tuneledger.model import PreflightError
+from tuneledger.nodes import Nodes, from_args, summary
+from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data import DataError
 from tuneledger.stats import prepare_for_training
 
@@ -72,18 +74,23 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 
 
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
-            cap_gib: float | None = None) -> tuple[int, dict | None, bool]:
+            cap_gib: float | None = None, nodes: Nodes = Nodes()) -> tuple[int, dict | None, bool]:
     """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
 
-    With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof).
+    With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof). With
+    several nodes, only node 0 clears the (shared) preset folder; the others keep their job file
+    beside it, where that cannot delete it.
     """
-    run_dir = out_root / "dryrun" / f"{cfg.preset}{'-cap' if cap_gib else ''}"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    name = f"{cfg.preset}{'-cap' if cap_gib else ''}"
+    run_dir = out_root / "dryrun" / name
+    if nodes.first:
+        shutil.rmtree(run_dir, ignore_errors=True)
     if cap_gib:
         cfg = cfg.model_copy(update={"memory_cap_gib": cap_gib})
     job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
            "result_path": str(run_dir / "result.json"), "cpu": cpu}
-    rc = run_workers(job, run_dir / "job.json", nproc, log)
+    job_path = run_dir / "job.json" if nodes.first else out_root / "dryrun" / f"job-{name}{nodes.suffix()}.json"
+    rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}")
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
     # The checkpoint was written only to be timed and weighed; its size is in the result.
     for ckpt in run_dir.glob("checkpoint-*"):
@@ -93,7 +100,7 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
 
 def used_gpus(nproc: int) -> list[str]:
     """The GPUs the ranks ran on: local rank r uses the r-th visible GPU."""
-    from tuneledger.monitor import visible_gpus
+    from tuneledger.monitor.summary import visible_gpus
 
     return (visible_gpus() or [str(i) for i in range(nproc)])[:nproc]
 
@@ -102,7 +109,7 @@ def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
     """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict.
     Only the GPUs the ranks used count: an idle neighbour must not dilute the utilisation."""
     from tuneledger.diagnose import diagnose, load_thresholds
-    from tuneledger.monitor import summarize_window
+    from tuneledger.monitor.summary import summarize_window
 
     gpu = summarize_window(rows, *row["window_utc"], gpus=used_gpus(nproc)) if rows else None
     total = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu and gpu["gpus"] else None
@@ -149,6 +156,14 @@ def _n(x: float | None, spec: str = ",.0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _nodes_line(n: dict) -> str:
+    nccl = n.get("nccl") or {}
+    link = (f"NCCL {nccl.get('network') or '?'} ({', '.join(nccl.get('inter_node') or []) or 'no NET channel logged'})"
+            if nccl else "NCCL transport not logged")
+    bw = f", all-reduce bus bandwidth {n['allreduce_busbw_gbs']:.2f} GB/s" if n.get("allreduce_busbw_gbs") else ""
+    return f"- nodes: {n['nnodes']} x {n['gpus_per_node']} ({', '.join(n['hosts'])}); between nodes: {link}{bw}"
+
+
 def markdown(led: dict) -> str:
     rows = [r for r in led["presets"] if "s_per_step" in r]
     synth = " (SYNTHETIC weights: speed and memory are the real architecture's, outputs are noise)" if led["synthetic"] else ""
@@ -157,6 +172,7 @@ def markdown(led: dict) -> str:
         f"- date: {led['date']}; host: {led['host']}",
         f"- model: {led['model']}{synth}",
         f"- hardware: {led['world_size']} x {led['gpu']}; link: {led['topology']['link']}",
+        *([_nodes_line(led["nodes"])] if led.get("nodes") else []),
         f"- data: {', '.join(led['dataset'])} ({led['stats']['records']['valid']:,} records, {led['stats']['tokens']['trained']:,} tokens, "
         f"{led['stats']['steps_per_epoch']:,} steps/epoch at global batch {led['global_batch_size']}); cache {led['data_hash']}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in led['versions'].items() if v)}",
@@ -264,42 +280,45 @@ def print_table(led: dict) -> None:
         print(f"FINDING: {led['finding']}")
 
 
-def plan(items: list[str], names: list[str], nproc: int) -> list[tuple[str, JobConfig | ConfigError]]:
+def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobConfig | ConfigError]]:
     """Each preset's resolved config, or the config error that rules it out at this world size."""
     out: list[tuple[str, JobConfig | ConfigError]] = []
     for name in names:
         try:
-            out.append((name, resolve(preset_config(items, name), nproc)))
+            out.append((name, resolve(preset_config(items, name), world)))
         except ConfigError as e:
             out.append((name, e))
     return out
 
 
 def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig | ConfigError]], nproc: int, cpu: bool,
-                    prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict) -> None:
-    """Run each preset, appending its ledger row to `rows` and its raw result to `results`."""
+                    prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict,
+                    nodes: Nodes = Nodes()) -> None:
+    """Run each preset, appending its ledger row to `rows` and its raw result to `results`.
+    nproc: this node's processes; the world size is nodes x nproc."""
+    world = nodes.world_size(nproc)
     for name, cfg in planned:
         if isinstance(cfg, ConfigError):
             print(f"preset {name}: skipped: {cfg}")
             rows.append({"preset": name, "skipped": str(cfg)})
             continue
-        print(f"\n=== preset {name}: {describe(cfg, nproc)}", flush=True)
+        print(f"\n=== preset {name}: {describe(cfg, world)}", flush=True)
         started = datetime.now(timezone.utc)
         # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
-        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None)
+        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, nodes)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes)
         ended = datetime.now(timezone.utc)
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
             continue
-        row = entry(cfg, result, stats, nproc)
+        row = entry(cfg, result, stats, world)
         row["run_utc"] = [started.isoformat(), ended.isoformat()]
         peak_gib = max((m["peak_allocated"] or 0) for m in row["memory_mib"]) / 1024
         if cpu:
@@ -321,15 +340,17 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
+    nodes = from_args(args)
     cpu, nproc = processes(args.cpu, args.nproc)
+    world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
-    planned = plan(args.items, names, nproc)
+    planned = plan(args.items, names, world)
     errors = [cfg for _, cfg in planned if isinstance(cfg, ConfigError)]
     if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone
         raise errors[0]
     out_root = base.out_dir
     out_root.mkdir(parents=True, exist_ok=True)
-    log = out_root / "dryrun.log"
+    log = out_root / f"dryrun{nodes.suffix()}.log"
     log.write_text("")
     try:
         prep = prepare_for_training(base, cpu)
@@ -344,12 +365,12 @@ def run(args: argparse.Namespace) -> int:
     # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.
     sampler = None
     if not cpu:
-        from tuneledger.monitor import InProcessSampler
+        from tuneledger.monitor.sampler import InProcessSampler
 
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
     try:
-        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results)
+        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.
         print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)
@@ -357,6 +378,9 @@ def run(args: argparse.Namespace) -> int:
 
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
+    if not nodes.first:
+        print(f"node {nodes.node_rank}: {len(done)} preset(s) ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
+        return 0 if done else 1
     for r in done:
         r.update(verdict(r, samples, nproc))
     first = next(iter(results.values()), None)
@@ -364,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         "run_name": base.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "model": base.model_name_or_path,
         "synthetic": bool(first and first["model"]["synthetic"]),
-        "world_size": nproc, "backend": "gloo" if cpu else "nccl",
+        "world_size": world, "backend": "gloo" if cpu else "nccl",
         "gpu": first["ranks"][0]["gpu_name"] if first else ("cpu" if cpu else "?"),
         "topology": topo, "versions": versions(), "dataset": base.dataset, "data_hash": stats["cache_key"],
         "data_files": stats["data_files"], "stats": stats, "global_batch_size": base.global_batch_size,
@@ -373,12 +397,16 @@ def run(args: argparse.Namespace) -> int:
         "windows": [{"label": f"preset {r['preset']}", "start": r["window_utc"][0], "end": r["window_utc"][1]} for r in done],
         "verdicts": {r["preset"]: r["diagnosis"]["line"] + " Lever: " + r["diagnosis"]["lever"] for r in done},
     }
+    if nodes.multi:
+        first_dir = out_root / "dryrun" / (done[0]["preset"] if done else "-")
+        led["nodes"] = summary(nodes, nproc, first, first_dir / "nccl")
     if samples and any(s.get("status") == "ok" for s in samples):
-        from tuneledger.monitor import parse_time, plot
+        from tuneledger.monitor.plot import plot
+        from tuneledger.monitor.rows import parse_time
 
         png = out_root / "dryrun-gpus.png"
         plot(samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],
-             title=f"dry-run {base.run_name}: {nproc} x GPU")
+             title=f"dry-run {base.run_name}: {world} x GPU")
         led["plot"] = str(png)
     ledger.write(out_root, "dryrun", led, markdown(led))
     print()
@@ -395,4 +423,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
     p.add_argument("--no-fit-check", action="store_true", help="skip the capped run that proves a 24 GB fit")
+    add_node_arguments(p)
     p.set_defaults(func=run)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tuneledger.nodes import Nodes, nccl_env
 
 # The last line of a Python traceback, with or without torchrun's "[rankN]: " prefix.
 ROOT_CAUSE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:.*)$")
@@ -46,16 +47,25 @@ def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
-def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None) -> int:
+def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None, nodes: Nodes | None = None,
+                rdzv_id: str = "tuneledger") -> int:
     """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
 
-    Output streams to the terminal and, when `log_path` is given, to that file as well.
+    Output streams to the terminal and, when `log_path` is given, to that file as well. With
+    `nodes` of several nodes, this node's ranks join the others through torchrun's c10d
+    rendezvous `rdzv_id` (tuneledger.nodes), and NCCL logs its transports under the job's out_dir.
     """
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "tuneledger.trainer", str(job_path)]
+    if nodes and nodes.multi:
+        where = nodes.torchrun_args(nproc, rdzv_id)
+        rendezvous = f"node {nodes.node_rank} of {nodes.nnodes}, c10d rendezvous {nodes.rdzv_endpoint} ({rdzv_id})"
+    else:
+        port = free_port()
+        where = [f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                 *([f"--max-restarts={nodes.max_restarts}"] if nodes and nodes.max_restarts else [])]
+        rendezvous = f"rendezvous 127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, "-m", "tuneledger.trainer", str(job_path)]
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NCCL_DEBUG", "WARN")
@@ -63,7 +73,11 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     env["PYTHONUNBUFFERED"] = "1"
     if job.get("cpu"):
         env["CUDA_VISIBLE_DEVICES"] = ""
-    print(f"launch: {nproc} process(es), rendezvous 127.0.0.1:{port}", flush=True)
+    elif nodes and nodes.multi:
+        env.update(nccl_env(Path(job["out_dir"]) / "nccl"))
+        if "NCCL_DEBUG_FILE" in env:
+            rendezvous += f"; NCCL's log in {Path(env['NCCL_DEBUG_FILE']).parent}"
+    print(f"launch: {nproc} process(es), {rendezvous}", flush=True)
     log = open(log_path, "a", encoding="utf-8") if log_path else None
     causes: dict[str, None] = {}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)

@@ -20,14 +20,18 @@ from tuneledger.config import describe, from_cli, resolve
 from tuneledger.launch import last_checkpoint, processes, run_workers
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError
+from tuneledger.nodes import add_arguments as add_node_arguments
+from tuneledger.nodes import from_args, summary
 from tuneledger.data import DataError
 from tuneledger.stats import prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
+    nodes = from_args(args)
     cpu, nproc = processes(args.cpu, args.nproc)
-    cfg = resolve(base, nproc)
+    world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
+    cfg = resolve(base, world)
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -55,26 +59,39 @@ def run(args: argparse.Namespace) -> int:
     steps = total_steps(prep.report, cfg)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
           f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
-    print(describe(cfg, nproc), flush=True)
+    print(describe(cfg, world) + (f" ({nodes.nnodes} nodes x {nproc})" if nodes.multi else ""), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
            "result_path": str(out / "train.json"), "cpu": cpu}
     # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
     sampler = None
     if not cpu:
-        from tuneledger.monitor import InProcessSampler
+        from tuneledger.monitor.sampler import InProcessSampler
 
         sampler = InProcessSampler(interval=5.0, out_dir=out / "monitor").start()
     started = datetime.now(timezone.utc)
-    rc = run_workers(job, out / "job.json", nproc, out / "train.log")
+    log = out / f"train{nodes.suffix()}.log"
+    rc = run_workers(job, out / f"job{nodes.suffix()}.json", nproc, log, nodes, rdzv_id=cfg.run_name)
     rows = sampler.stop() if sampler else []
     if rc != 0:
-        print(f"tuneledger train: a rank failed (exit {rc}); the log is {out / 'train.log'}. "
+        print(f"tuneledger train: a rank failed (exit {rc}); the log is {log}. "
               "Start the same command again to resume from the last checkpoint.", file=sys.stderr)
         return rc
+    if not nodes.first:  # torchrun returns once every node's ranks are done; node 0 writes the ledger
+        print(f"node {nodes.node_rank}: this node's ranks are done; node 0 completes {out / 'train.json'}")
+        return 0
+    if not (out / "train.json").exists():
+        print(f"tuneledger train: the ranks finished but {out / 'train.json'} is missing: rank 0 ran on another node. "
+              "runs/ must be one folder shared by every node (NFS, a PVC)", file=sys.stderr)
+        return 1
     result = json.loads((out / "train.json").read_text())
+    if nodes.multi:
+        result["nodes"] = summary(nodes, nproc, result, out / "nccl")
+        (out / "train.json").write_text(json.dumps(result, indent=1))
+        print(f"nodes: {nodes.nnodes} x {nproc} process(es): {', '.join(result['nodes']['hosts'])}; NCCL: "
+              f"{result['nodes']['nccl'] or 'n/a (gloo, or NCCL_DEBUG set elsewhere)'}")
     if rows:
         from tuneledger.dryrun import used_gpus
-        from tuneledger.monitor import summarize_window
+        from tuneledger.monitor.summary import summarize_window
 
         gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
         result["gpu_window"] = gpu
@@ -94,5 +111,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU through gloo even if GPUs are visible")
+    add_node_arguments(p)
     p.set_defaults(func=run)
 

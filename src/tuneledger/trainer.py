@@ -25,6 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tuneledger.config import JobConfig
 from tuneledger.launch import last_checkpoint
+from tuneledger.nodes import check_same_nodes, host_name
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -383,6 +384,9 @@ def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
 def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     cfg, device, rank, _ = setup(job)
+    # Before any weights load: every rank's node must match rank 0's (GPU model, image, packages).
+    cuda = device.type == "cuda"
+    check_same_nodes(torch.cuda.get_device_name(device) if cuda else "cpu", "nccl" if cuda else "gloo", cfg.ddp_timeout)
     report_to = resolve_report_to(cfg, rank)  # before the model loads, so it cannot fail after
     result = fit(cfg, job, device, rank, report_to)
     if rank == 0:
@@ -436,7 +440,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     steps = timer.summary()
     tokens = [int(t) for t in torch.stack(trainer.step_tokens).tolist()] if trainer.step_tokens else []
     local = {
-        "rank": rank, "device": str(device),
+        "rank": rank, "host": host_name(), "device": str(device),
         "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "peak_allocated_mib": round(torch.cuda.max_memory_allocated(device) / 2**20) if cuda else None,
         "peak_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2**20) if cuda else None,
