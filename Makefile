@@ -61,14 +61,30 @@ help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
 
-$(VENV)/.stamp: requirements.txt pyproject.toml
+# VENV_TORCH=cpu: torch 2.5.1+cpu from TORCH_CPU_INDEX (docker/torch-cpu-wheel.txt, by hash), then the
+# lock without its torch, triton and nvidia-*-cu12 blocks: about 0.4 GB to download instead of 3.6 GB
+# (docs/testing.md, "What set-up costs"). Linux x86_64 only; CI cannot reach PyTorch's index, so
+# this path is not run there.
+VENV_TORCH ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+VENV_CUDA_WHEELS := torch|triton|nvidia-.*-cu12
+$(VENV)/.stamp: requirements.txt pyproject.toml $(if $(filter cpu,$(VENV_TORCH)),docker/torch-cpu-wheel.txt)
 	@test -n "$(PYTHON)" || { echo "no Python 3.10 found; set PYTHON=/path/to/python3.10"; exit 1; }
+	@case "$(VENV_TORCH)" in ""|cpu) ;; *) echo "VENV_TORCH=$(VENV_TORCH): empty (the lock's torch) or cpu"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
+ifeq ($(VENV_TORCH),cpu)
+	$(VENV)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: --index-url $(TORCH_CPU_INDEX) \
+		--find-links $(TORCH_CPU_INDEX) -r docker/torch-cpu-wheel.txt
+	$(VENV)/bin/python docker/lockfilter.py --drop '$(VENV_CUDA_WHEELS)' requirements.txt > $(VENV)/lock-cpu.txt
+	$(VENV)/bin/pip install -q --upgrade --no-deps --require-hashes -r $(VENV)/lock-cpu.txt
+	$(VENV)/bin/pip check
+else
 	$(VENV)/bin/pip install -q --upgrade --no-deps --require-hashes -r requirements.txt
+endif
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
-venv: $(VENV)/.stamp ## create .venv from the lock (Python 3.10, hashes)
+venv: $(VENV)/.stamp ## create .venv from the lock (Python 3.10, hashes; VENV_TORCH=cpu: torch's CPU build, 3 GB less)
 
 # The INT4 step's venv: Python 3.11, requirements-quant.txt. The lock pins PyPI's torch (a CUDA 13
 # build, what the image installs); this CPU venv takes torch at the lock's version as pip finds it
