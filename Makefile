@@ -62,7 +62,7 @@ help: ## list the verbs
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
 
 # VENV_TORCH=cpu: torch 2.5.1+cpu from TORCH_CPU_INDEX (docker/torch-cpu-wheel.txt, by hash), then the
-# lock without its torch, triton and nvidia-*-cu12 blocks: about 0.4 GB to download instead of 3.6 GB
+# lock without its torch, triton and nvidia-*-cu12 blocks: about 0.4 GB to download instead of 3.2 GB
 # (docs/testing.md, "What set-up costs"). Linux x86_64 only; CI cannot reach PyTorch's index, so
 # this path is not run there.
 VENV_TORCH ?=
