@@ -59,21 +59,37 @@ OVERRIDES := model_name_or_path=$(MODEL) \
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train export test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train export test test-slow test-all clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
 	@echo "  several nodes (train, dryrun): NNODES= NODE_RANK= RDZV_ENDPOINT=host:port MAX_RESTARTS= (docs/multi-node.md)"
 
-$(VENV)/.stamp: requirements.txt pyproject.toml
+# VENV_TORCH=cpu: torch 2.5.1+cpu from TORCH_CPU_INDEX (docker/torch-cpu-wheel.txt, by hash), then the
+# lock without its torch, triton and nvidia-*-cu12 blocks: about 0.4 GB to download instead of 3.2 GB
+# (docs/testing.md, "What set-up costs"). Linux x86_64 only; CI cannot reach PyTorch's index, so
+# this path is not run there.
+VENV_TORCH ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+VENV_CUDA_WHEELS := torch|triton|nvidia-.*-cu12
+$(VENV)/.stamp: requirements.txt pyproject.toml $(if $(filter cpu,$(VENV_TORCH)),docker/torch-cpu-wheel.txt)
 	@test -n "$(PYTHON)" || { echo "no Python 3.10 found; set PYTHON=/path/to/python3.10"; exit 1; }
+	@case "$(VENV_TORCH)" in ""|cpu) ;; *) echo "VENV_TORCH=$(VENV_TORCH): empty (the lock's torch) or cpu"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
+ifeq ($(VENV_TORCH),cpu)
+	$(VENV)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: --index-url $(TORCH_CPU_INDEX) \
+		--find-links $(TORCH_CPU_INDEX) -r docker/torch-cpu-wheel.txt
+	$(VENV)/bin/python docker/lockfilter.py --drop '$(VENV_CUDA_WHEELS)' requirements.txt > $(VENV)/lock-cpu.txt
+	$(VENV)/bin/pip install -q --upgrade --no-deps --require-hashes -r $(VENV)/lock-cpu.txt
+	$(VENV)/bin/pip check
+else
 	$(VENV)/bin/pip install -q --upgrade --no-deps --require-hashes -r requirements.txt
+endif
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
-venv: $(VENV)/.stamp ## create .venv from the lock (Python 3.10, hashes)
+venv: $(VENV)/.stamp ## create .venv from the lock (Python 3.10, hashes; VENV_TORCH=cpu: torch's CPU build, 3 GB less)
 
 # The INT4 step's venv: Python 3.11, requirements-quant.txt. The lock pins PyPI's torch (a CUDA 13
 # build, what the image installs); this CPU venv takes torch at the lock's version as pip finds it
@@ -125,11 +141,24 @@ export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or
 quantize: $(QENV_DEP) ## INT4 W4A16 (QUANT=awq|gptq, default awq) of RUN's verified export: runs/<run>/export-<scheme>, quant.json
 	$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(or $(QUANT),awq) $(QUANT_ARGS)
 
-test: $(VENV)/.stamp ## unit tests and tiny end-to-end runs on CPU
-	$(VENV)/bin/python -m pytest -q
+# Two tiers. `make test` needs nothing beside the clone: unit tests and tiny end-to-end runs, under
+# 10 minutes on 2 cores. `make test-all` adds the `slow` tests (real SmolLM2-135M weights, 98 MB from
+# PyPI, trained on ../shared/data/identity.json, else they skip saying so) and the INT4 tests in
+# .venv-quant. PYTEST_ARGS="-k name -x" passes options. pytest's exit 5 (no test selected) fails
+# with a sentence rather than a bare "Error 5".
+PYTEST_ARGS ?=
+pytest = echo '$(1) -m pytest -q $(2) $(PYTEST_ARGS)'; $(1) -m pytest -q $(2) $(PYTEST_ARGS); rc=$$?; \
+	[ $$rc != 5 ] || echo '$@: pytest selected no test ($(2) $(PYTEST_ARGS)): nothing ran'; exit $$rc
+test: $(VENV)/.stamp ## the fast tier: unit tests and tiny end-to-end runs on CPU (no GPU, no ../shared, no download)
+	@$(call pytest,$(VENV)/bin/python,-m "not slow")
+
+test-slow: $(VENV)/.stamp ## the slow tier in .venv: real-weights runs (SmolLM2-135M from PyPI, ../shared/data)
+	@$(call pytest,$(VENV)/bin/python,-m slow)
+
+test-all: test test-slow test-quant ## everything: both tiers and the INT4 tests (what CI runs)
 
 test-quant: $(VENV)/.stamp $(VENV_QUANT)/.stamp ## the INT4 tests, in .venv-quant (exports made by .venv, as in real use)
-	$(VENV_QUANT)/bin/python -m pytest -q tests/test_quantize.py
+	@$(call pytest,$(VENV_QUANT)/bin/python,tests/test_quantize.py)
 
 clean-cache: ## drop the tokenized-data cache
 	rm -rf .cache/tuneledger

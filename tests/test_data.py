@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from conftest import DATA, shared
+from conftest import shared_data
 from tuneledger.config import load_config
 from tuneledger.data import IGNORE_INDEX, DataError, Invalid, encode, prepare, read_records, to_messages
 
@@ -110,7 +110,7 @@ def test_cutoff_truncates_and_counts(qwen_tokenizer):
 def test_stats_match_independent_counts(tmp_path, tiny_model, name, records, tokens, maximum, mean, median, p95):
     from tuneledger.model import load_tokenizer
 
-    cfg = cfg_for(tmp_path, tiny_model, [shared(DATA / name)], cutoff_len=4096)
+    cfg = cfg_for(tmp_path, tiny_model, [shared_data(name)], cutoff_len=4096)
     prep = prepare(cfg, load_tokenizer(cfg.model_name_or_path), progress=False)
     r = prep.report
     assert r["records"] == {"total": records, "valid": records, "invalid": 0, "invalid_by_reason": {}}
@@ -128,11 +128,11 @@ def test_stats_match_independent_counts(tmp_path, tiny_model, name, records, tok
 def test_stats_count_invalid_and_cutoff(tmp_path, tiny_model):
     from tuneledger.model import load_tokenizer
 
-    cfg = cfg_for(tmp_path, tiny_model, [shared(DATA / "identity.json")], cutoff_len=64)
+    cfg = cfg_for(tmp_path, tiny_model, [shared_data("identity.json")], cutoff_len=64)
     r = prepare(cfg, load_tokenizer(cfg.model_name_or_path), progress=False).report
     assert r["records"]["total"] == 91
     assert r["records"]["invalid_by_reason"].get("unfilled placeholder") == r["records"]["invalid"] > 0
-    filled = cfg_for(tmp_path, tiny_model, [shared(DATA / "identity.json")], cutoff_len=64,
+    filled = cfg_for(tmp_path, tiny_model, [shared_data("identity.json")], cutoff_len=64,
                      placeholders={"name": "Ledger", "author": "tuneledger"})
     r = prepare(filled, load_tokenizer(cfg.model_name_or_path), progress=False).report
     assert r["records"]["valid"] == 91 and r["over_cutoff"] > 0

@@ -2,19 +2,23 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 
 def tl(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd or ROOT, timeout=900)
+    return procs.run([sys.executable, "-m", "tuneledger", *args], env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
 
 
 def small(tmp_path, tiny_model, name, *extra):
@@ -73,3 +77,28 @@ def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_
     assert json.loads((run / "train.json").read_text()) == result
     changed = tl("train", *args, "lora_rank=8", "--nproc", "2", "--cpu")
     assert changed.returncode == 2 and "lora_rank: checkpoint 64, now 8" in changed.stderr
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, tiny_model):
+    """`kill`, `docker stop` or a CI timeout reach the `tuneledger` process only; torchrun runs each
+    rank in a session of its own, so the launcher must stop them, not leave them training as orphans."""
+    args = small(tmp_path, tiny_model, "run", "max_steps=100000", "save_steps=100000", "preset=C")
+    with open(tmp_path / "out.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tuneledger", "train", *args, "--nproc", "2", "--cpu"], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        ranks: list[psutil.Process] = []
+        deadline = time.monotonic() + (procs.TIMEOUT_S or 3600)
+        while len(ranks) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)  # not torchrun itself
+                     if "tuneledger.trainer" in c.cmdline() and "torch.distributed.run" not in c.cmdline()]
+        assert len(ranks) == 2, (tmp_path / "out.log").read_text()[-3000:]
+        assert all(r.pid == os.getsid(r.pid) for r in ranks)  # each rank leads its own session
+        proc.send_signal(signal.SIGTERM)  # to the launcher alone
+        assert proc.wait(timeout=120) == 143
+        _, alive = psutil.wait_procs(ranks, timeout=60)  # torchrun gives a rank 30 s before SIGKILL
+        assert alive == [], alive
+        assert "terminated (SIGTERM): the ranks were stopped" in (tmp_path / "out.log").read_text()
+    finally:
+        procs.kill_tree(proc.pid)

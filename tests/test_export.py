@@ -4,21 +4,20 @@ a real model that learnt a new name and still stops."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA, shared
+from conftest import shared_data
+import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 
 def tl(*args):
-    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ}, timeout=1200)
+    return procs.run([sys.executable, "-m", "tuneledger", *args], cwd=ROOT, env={**os.environ})
 
 
 def train(tmp_path, model, name, *extra):
@@ -114,14 +113,16 @@ def test_lost_merge_fails_the_fp32_check(tiny_run, tmp_path, monkeypatch):
     assert failed["merge_fp32"]["merge_error_rel"] > 1e-3
 
 
+@pytest.mark.slow
 def test_real_model_learns_a_name_and_stops(tmp_path):
     """SmolLM2-135M-Instruct (real weights) on identity.json with {{name}}/{{author}} filled."""
     import torch
     from assets import smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    identity = shared_data("identity.json")
     base = smollm2()
-    run = train(tmp_path, base, "identity", f"dataset={shared(DATA / 'identity.json')}",
+    run = train(tmp_path, base, "identity", f"dataset={identity}",
                 "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160", "global_batch_size=8",
                 "lora_rank=16", "lora_alpha=32", "lora_dropout=0", "learning_rate=1e-3", "max_steps=40", "save_steps=40")
     p = tl("export", "--adapter", str(run))

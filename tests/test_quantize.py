@@ -11,13 +11,13 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA, QWEN_TOKENIZER, shared
+import procs
+from conftest import shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_LLMC = importlib.util.find_spec("llmcompressor") is not None
@@ -37,7 +37,7 @@ def trainer_python(*args):
     """The trainer's venv (.venv) Python on `args`, as `make train` / `make export` run it."""
     if not TRAINER_PY.is_file():
         pytest.fail(f"{TRAINER_PY} not found: the bf16 exports are made by the project's venv; run `make venv`")
-    p = subprocess.run([str(TRAINER_PY), *args], capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    p = procs.run([str(TRAINER_PY), *args], cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
@@ -55,22 +55,18 @@ def train_and_export(tmp, model, *extra):
 
 
 def quantize_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tuneledger", "quantize", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=1200)
+    return procs.run([sys.executable, "-m", "tuneledger", "quantize", *args], cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
     """A tiny random Qwen2 twice as wide as conftest's (hidden 128, MLP 256), so that group 128 divides
-    every layer as it does Qwen2.5-7B's (3584, 18944), LoRA-trained for 2 steps and exported."""
-    from tuneledger import synth
-
+    every layer as it does Qwen2.5-7B's (3584, 18944), LoRA-trained for 2 steps and exported. Written by
+    the trainer's venv, whose qwen-tokenizer rebuilds the Qwen2.5 tokenizer."""
     tmp = tmp_path_factory.mktemp("quant")
-    synth.ARCHS["tiny-128"] = dict(synth.ARCHS["tiny"], hidden_size=128, intermediate_size=256)
-    try:
-        synth.write_synthetic_model("tiny-128", tmp / "tiny-128", tokenizer=str(shared(QWEN_TOKENIZER)), device="cpu")
-    finally:
-        del synth.ARCHS["tiny-128"]
+    trainer_python("-c", "import sys; from tuneledger import synth; "
+                   "synth.ARCHS['tiny-128'] = dict(synth.ARCHS['tiny'], hidden_size=128, intermediate_size=256); "
+                   "synth.write_synthetic_model('tiny-128', sys.argv[1], device='cpu')", str(tmp / "tiny-128"))
     return train_and_export(tmp, tmp / "tiny-128", "max_samples=48", "cutoff_len=128", "global_batch_size=8",
                             "max_steps=2", "save_steps=2")
 
@@ -207,15 +203,20 @@ def test_failure_keeps_nothing_and_the_old_output(tiny_export, tmp_path, monkeyp
 
 
 @needs_quant
+@pytest.mark.slow
 def test_real_weights_smollm2(tmp_path):
     """SmolLM2-135M-Instruct (real weights) fine-tuned on identity.json, exported, then AWQ INT4.
 
     Its hidden size, 576, is not a multiple of 128, so group 64 (Qwen2.5-7B's 3584 and 18944 are)."""
+    from assets import smollm2_wheel
+
     from tuneledger.quantize import quantize
 
+    identity = shared_data("identity.json")
+    smollm2_wheel()  # here, so that a missing wheel skips; the conversion below finds it cached
     # tests/assets.py converts SmolLM2's GGUF with the `gguf` package, which is the trainer venv's.
     base = trainer_python("-c", "import sys; sys.path.insert(0, 'tests'); from assets import smollm2; print(smollm2())")
-    export = train_and_export(tmp_path, base.stdout.strip().splitlines()[-1], f"dataset={shared(DATA / 'identity.json')}",
+    export = train_and_export(tmp_path, base.stdout.strip().splitlines()[-1], f"dataset={identity}",
                               "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160",
                               "global_batch_size=8", "lora_rank=16", "lora_alpha=32", "lora_dropout=0",
                               "learning_rate=1e-3", "max_steps=40", "save_steps=40")
@@ -246,11 +247,17 @@ def test_without_llm_compressor_it_says_where_to_run(tmp_path):
     assert p.returncode == 1 and "is not installed here" in p.stderr and ".venv-quant" in p.stderr
 
 
-def test_group_size_default_fits_the_model(tiny_model, capsys):
+def test_group_size_default_fits_the_model(tmp_path, capsys):
     """Left unset, the group size is 128 where it divides every layer, else the largest that does
-    (conftest's tiny model is 64 wide: `make quantize` on a CPU run works without QUANT_ARGS); an
-    explicit one that does not fit is refused. Shapes only: runs in either venv."""
+    (the tiny model is 64 wide: `make quantize` on a CPU run works without QUANT_ARGS); an
+    explicit one that does not fit is refused. Shapes only (a config.json): runs in either venv."""
+    from transformers import Qwen2Config
+
     from tuneledger.quantize import QuantizeError, check_group_size
+    from tuneledger.synth import ARCHS
+
+    tiny_model = tmp_path / "tiny"
+    Qwen2Config(**ARCHS["tiny"]).save_pretrained(tiny_model)
 
     assert check_group_size(Path(tiny_model), None) == 64
     assert "group size 64, not 128" in capsys.readouterr().out

@@ -1,22 +1,31 @@
+import hashlib
 import json
 
-from conftest import QWEN_TOKENIZER, shared
-from tuneledger.synth import ARCHS, write_qwen25_tokenizer
+from tuneledger.synth import ARCHS
+
+# sha256 of vocab.json and merges.txt of the reference Qwen2.5 tokenizer (the project's
+# ../shared/assets/qwen2.5-tokenizer, checked there against the official Qwen3 tokenizer.json, the
+# same BPE, and 46 tokenizations by the official HF tokenizer).
+REFERENCE_SHA256 = {
+    "vocab.json": "97dfe4fe392c23cda68fe01c60babe50a57c894fc0cf44d02c4048ad283499c3",
+    "merges.txt": "8831e4f1a044471340f7c0a83d7bd71306a5b867e95fd870f74d0c5308a904d5",
+}
 
 
-def test_rebuilt_tokenizer_is_qwen25(tmp_path):
-    """The offline rebuild from qwen-tokenizer's BPE ranks equals the reference files byte for byte."""
+def test_rebuilt_tokenizer_is_qwen25(qwen_tokenizer_dir):
+    """The offline rebuild from qwen-tokenizer's BPE ranks equals the reference files byte for byte,
+    gives the official ids, and renders the Qwen2.5-Instruct chat template."""
     from transformers import AutoTokenizer
 
-    write_qwen25_tokenizer(tmp_path)
-    ref = shared(QWEN_TOKENIZER)
-    for name in ("vocab.json", "merges.txt"):
-        assert (tmp_path / name).read_bytes() == (ref / name).read_bytes(), name
-    ours, theirs = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(ref)
+    for name, digest in REFERENCE_SHA256.items():
+        assert hashlib.sha256((qwen_tokenizer_dir / name).read_bytes()).hexdigest() == digest, name
+    ours = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
     text = "你好，世界 hello world<|im_end|>"
-    assert ours(text)["input_ids"] == theirs(text)["input_ids"] == [108386, 3837, 99489, 23811, 1879, 151645]
+    assert ours(text)["input_ids"] == [108386, 3837, 99489, 23811, 1879, 151645]
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    assert ours.apply_chat_template(msgs, tokenize=False) == theirs.apply_chat_template(msgs, tokenize=False)
+    assert ours.apply_chat_template(msgs, tokenize=False) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n")
     assert (ours.eos_token, ours.pad_token, len(ours)) == ("<|im_end|>", "<|endoftext|>", 151665)
 
 

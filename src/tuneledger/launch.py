@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from tuneledger.nodes import Nodes, nccl_env
@@ -47,6 +49,14 @@ def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
+class Terminated(Exception):
+    """SIGTERM reached the launcher (`kill`, `docker stop`, a CI job's timeout)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None, nodes: Nodes | None = None,
                 rdzv_id: str = "tuneledger") -> int:
     """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
@@ -54,6 +64,9 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     Output streams to the terminal and, when `log_path` is given, to that file as well. With
     `nodes` of several nodes, this node's ranks join the others through torchrun's c10d
     rendezvous `rdzv_id` (tuneledger.nodes), and NCCL logs its transports under the job's out_dir.
+    Ctrl-C or SIGTERM stops torchrun, which stops the ranks (SIGTERM, SIGKILL 30 s later), before
+    this process ends: each rank runs in a session of its own, so nothing else would reach it.
+    SIGTERM exits 143.
     """
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
@@ -81,6 +94,8 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     log = open(log_path, "a", encoding="utf-8") if log_path else None
     causes: dict[str, None] = {}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread only
+    old_handler = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -91,13 +106,19 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
             if cause and "ChildFailedError" not in line:
                 causes[cause.group(1).strip()] = None
         rc = proc.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:
+        if main:  # a second SIGTERM must not cut the wait for the ranks short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         proc.terminate()
         proc.wait()
-        print("\ninterrupted: the ranks were stopped; the same command again resumes from the last checkpoint",
-              file=sys.stderr, flush=True)
+        print(f"\n{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'terminated (SIGTERM)'}: the ranks "
+              "were stopped; the same command again resumes from the last checkpoint", file=sys.stderr, flush=True)
+        if isinstance(stop, Terminated):
+            raise SystemExit(128 + signal.SIGTERM) from None
         raise
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, old_handler)
         if log:
             log.close()
     if rc != 0 and causes:

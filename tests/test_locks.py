@@ -1,0 +1,43 @@
+"""`make venv VENV_TORCH=cpu`: torch's CPU build by hash, then the lock without its CUDA wheels.
+
+PyTorch's index is out of CI's reach, so the install itself is not run here; these tests check what
+can go stale offline: the hand-kept torch line against the lock, and what the filter takes out.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_WHEELS = "torch|triton|nvidia-.*-cu12"  # the Makefile's VENV_CUDA_WHEELS
+
+
+def pins(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", text, re.M))
+
+
+def test_cpu_torch_is_the_locks_version_by_one_hash():
+    lock = pins((ROOT / "requirements.txt").read_text())
+    text = (ROOT / "docker" / "torch-cpu-wheel.txt").read_text()
+    assert pins(text) == {"torch": lock["torch"] + "+cpu"}
+    assert len(re.findall(r"--hash=sha256:[0-9a-f]{64}\b", text)) == 1
+    assert f"VENV_CUDA_WHEELS := {CUDA_WHEELS}\n" in (ROOT / "Makefile").read_text()
+
+
+def test_the_cpu_lock_drops_exactly_torch_triton_and_the_cuda_libraries():
+    lock = pins((ROOT / "requirements.txt").read_text())
+    out = subprocess.run([sys.executable, str(ROOT / "docker" / "lockfilter.py"), "--drop", CUDA_WHEELS,
+                          str(ROOT / "requirements.txt")], capture_output=True, text=True, check=True).stdout
+    kept = pins(out)
+    dropped = sorted(set(lock) - set(kept))
+    assert "torch" in dropped and "triton" in dropped
+    assert all(n in ("torch", "triton") or re.fullmatch(r"nvidia-.*-cu12", n) for n in dropped), dropped
+    assert len(dropped) == 2 + sum(1 for n in lock if re.fullmatch(r"nvidia-.*-cu12", n))
+    assert "nvidia-ml-py" in kept  # NVML, the monitor's, is not a CUDA wheel
+    assert kept == {n: v for n, v in lock.items() if n not in dropped}
+    sys.path.insert(0, str(ROOT / "docker"))
+    from lockfilter import blocks
+
+    whole = dict(blocks((ROOT / "requirements.txt").read_text()))
+    assert all(whole[name] == block for name, block in blocks(out))  # each kept block whole, hashes and all
