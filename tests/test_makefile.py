@@ -75,3 +75,10 @@ def test_local0_without_compose_says_what_to_install(tmp_path):
     assert p.returncode != 0
     assert "docker-compose-plugin" in p.stderr and "LOCAL=1" in p.stderr
     assert "command not found" not in p.stderr
+
+
+def test_user_data_folder_is_ignored_by_git():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    p = subprocess.run(["git", "check-ignore", "-q", "data/my-dataset.json"], cwd=ROOT)
+    assert p.returncode == 0  # data/ (DATA_DIR's default) never gets committed by accident
