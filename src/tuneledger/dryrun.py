@@ -328,14 +328,14 @@ def run(args: argparse.Namespace) -> int:
     if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone
         raise errors[0]
     out_root = base.out_dir
-    out_root.mkdir(parents=True, exist_ok=True)
-    log = out_root / "dryrun.log"
-    log.write_text("")
     try:
         prep = prepare_for_training(base, cpu)
     except (PreflightError, DataError) as e:
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
         return 1
+    out_root.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
+    log = out_root / "dryrun.log"
+    log.write_text("")
     stats = prep.report
     print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
           f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")

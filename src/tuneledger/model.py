@@ -26,18 +26,72 @@ class PreflightError(RuntimeError):
     """A check that runs before weights load failed. The message says what to fix."""
 
 
+def hub_offline() -> str | None:
+    """Why the model hub cannot be reached right now, or None when it may be.
+
+    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE say so; otherwise a TCP connection to HF_ENDPOINT's host
+    (or the https proxy) must open within 1.5 s. Without this, transformers retries an unreachable
+    hub for about a minute before it fails.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]}"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    proxy = (os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")) if endpoint.startswith("https") else None
+    target = urlsplit(proxy or endpoint)
+    try:
+        port = target.port or (443 if target.scheme == "https" else 80)
+        socket.create_connection((target.hostname, port), timeout=1.5).close()
+    except (OSError, ValueError) as e:
+        return f"{'proxy ' + proxy if proxy else endpoint} unreachable: {getattr(e, 'strerror', None) or e}"
+    return None
+
+
+def looks_like_path(name: str) -> bool:
+    """True when `name` is meant as a local path, never a hub id (`org/name` or `name`): it starts
+    with '.', '/' or '~', has more than one '/', or its parent directory exists here."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        return True
+    return "/" in name and Path(name).parent.is_dir()
+
+
+def locate_model(name: str) -> Path | None:
+    """The local directory `name` (model_name_or_path) names, or None for a hub id the hub may serve.
+
+    The one check every verb makes before it loads a config, tokenizer or weights. Raises
+    PreflightError at once, saying how to get the model, when `name` is a path that is not a
+    directory (see `looks_like_path`), or when it is not a local directory and the hub is offline.
+    """
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise PreflightError(f"model {name} is a file, not a model directory")
+    if looks_like_path(name):
+        raise PreflightError(f"model {name}: no such directory (relative to {Path.cwd()}). `make fetch MODEL=<hub id>` "
+                             f"downloads a model into models/<name>: `make fetch MODEL=Qwen/{local.name}` makes "
+                             f"models/{local.name}.")
+    offline = hub_offline()
+    if offline:
+        raise PreflightError(f"model {name}: no such directory, and the hub is offline ({offline}). `make fetch "
+                             f"MODEL={name}` downloads it into models/{local.name} where the hub, or a mirror set in "
+                             f"HF_ENDPOINT, is reachable; then use MODEL=models/{local.name}.")
+    return None
+
+
 def read_model_config(name_or_path: str) -> dict:
     """config.json of a local model directory or a hub repo (that one file only, honouring HF_ENDPOINT).
 
     Raises PreflightError when it cannot be found or read.
     """
-    local = Path(name_or_path)
-    if local.is_dir():
+    local = locate_model(name_or_path)
+    if local is not None:
         path = local / "config.json"
         if not path.is_file():
             raise PreflightError(f"{local} has no config.json: is it a model directory?")
-    elif local.exists() or name_or_path.startswith((".", "/")):
-        raise PreflightError(f"model path {name_or_path} is not a directory")
     else:
         try:
             from huggingface_hub import hf_hub_download
@@ -80,7 +134,8 @@ def load_tokenizer(name_or_path: str) -> Any:
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    local = locate_model(name_or_path)
+    tok = AutoTokenizer.from_pretrained(str(local) if local is not None else name_or_path)
     fix_end_of_turn(tok)
     if not tok.chat_template:
         raise PreflightError(f"tokenizer of {name_or_path} has no chat_template; use an -Instruct model or add one")

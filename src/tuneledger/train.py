@@ -29,12 +29,12 @@ def run(args: argparse.Namespace) -> int:
     cpu, nproc = processes(args.cpu, args.nproc)
     cfg = resolve(base, nproc)
     out = cfg.out_dir
-    out.mkdir(parents=True, exist_ok=True)
     try:
         prep = prepare_for_training(cfg, cpu)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
+    out.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
     from tuneledger.trainer import resume_conflicts  # torch: only once a run is asked for
 
     resume = None if cfg.resume_from_checkpoint == "never" else (
