@@ -31,7 +31,8 @@ from tuneledger.stats import prepare_for_training
 
 
 
-def versions() -> dict:
+def versions(cpu: bool = False) -> dict:
+    """Versions of what the run used. A CPU run used no CUDA, whatever torch was built for: no "cuda"."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
@@ -40,12 +41,10 @@ def versions() -> dict:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = None
-    try:
+    if not cpu:
         import torch
 
         out["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
     return out
 
 
@@ -366,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         "synthetic": bool(first and first["model"]["synthetic"]),
         "world_size": nproc, "backend": "gloo" if cpu else "nccl",
         "gpu": first["ranks"][0]["gpu_name"] if first else ("cpu" if cpu else "?"),
-        "topology": topo, "versions": versions(), "dataset": base.dataset, "data_hash": stats["cache_key"],
+        "topology": topo, "versions": versions(cpu), "dataset": base.dataset, "data_hash": stats["cache_key"],
         "data_files": stats["data_files"], "stats": stats, "global_batch_size": base.global_batch_size,
         "dryrun_steps": base.dryrun_steps, "warmup_steps": base.dryrun_warmup_steps,
         "config": base.model_dump(), "presets": rows, "finding": finding(rows),

@@ -25,6 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tuneledger.config import JobConfig
 from tuneledger.launch import last_checkpoint
+from tuneledger.perms import apply_umask
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -183,6 +184,7 @@ class SaveConfig(TrainerCallback):
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():
                 (ckpt / CONFIG_IN_CHECKPOINT).write_text(json.dumps(self.cfg.model_dump(), indent=1, ensure_ascii=False))
+                apply_umask(ckpt)  # safetensors wrote adapter_model.safetensors 0600
 
 
 def resume_conflicts(checkpoint: str | Path, cfg: JobConfig) -> list[str]:
