@@ -217,10 +217,26 @@ def finding(rows: list[dict]) -> str | None:
     done = [r for r in rows if "tokens_per_s" in r]
     if len(done) < 2:
         return None
-    best = max(done, key=lambda r: r["tokens_per_s"])
+    ranked = sorted(done, key=lambda r: -r["tokens_per_s"])
+    best = ranked[0]
     base = next((r for r in done if r["preset"] == "A"), None)
-    text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
-    if base and base is not best:
+    tied = [r for r in ranked[1:] if ledger.overlap(best, r)]
+    if tied:
+        # The measured spread cannot order them: saying "fastest" would be noise read as a result.
+        names = " and ".join(", ".join(r["preset"] for r in [best, *tied]).rsplit(", ", 1))
+        need = ledger.steps_to_separate(best, tied[0])
+        speeds = " / ".join(format(r["tokens_per_s"], ",.0f") for r in [best, *tied])
+        text = (f"presets {names} tie at {speeds} tokens/s: "
+                f"their p10-p90 ranges overlap over {best['steps_measured']} measured steps")
+        if need is None or need > 100_000:
+            text += "; they run at the same speed"
+        else:
+            text += (f"; about {need:,} steady steps each would separate {best['preset']} from {tied[0]['preset']} "
+                     f"(2 standard errors of the mean step time: dryrun_steps={need + best['warmup_steps_excluded']})")
+        text += "; choose among them by memory or ETA"
+    else:
+        text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
+    if base and base is not best and base not in tied:
         text += f", {best['tokens_per_s'] / base['tokens_per_s']:.2f}x preset A's {base['tokens_per_s']:,.0f}"
         text += f"; its ETA is {fmt_h(best['eta']['total_s'])} against A's {fmt_h(base['eta']['total_s'])}"
     low = [r for r in done if r.get("mfu") is not None and r["mfu"] < 0.15]
@@ -230,28 +246,45 @@ def finding(rows: list[dict]) -> str | None:
     return text + "."
 
 
-def print_table(led: dict) -> None:
-    from rich.console import Console
+def _fits(row: dict) -> str:
+    """The 24 GB column in one word; the note with its reason is in dryrun.md."""
+    return {True: "yes", False: "no"}.get(row.get("fits_24gb"), "n/a" if "CPU" in str(row.get("fits_24gb_note")) else "?")
+
+
+def table(led: dict) -> Any:
+    """The terminal ledger: a rich Table that fits 100 columns. dryrun.md has every column;
+    this one leaves out tokens/s per GPU, save time and the spreads, and shortens the 24 GB note."""
+    from rich import box
     from rich.table import Table
 
     t = Table(title=f"dry-run ledger: {led['world_size']} x {led['gpu']}{'  [SYNTHETIC model]' if led['synthetic'] else ''}",
-              title_justify="left")
-    for col in ("rank", "preset", "mb x accum", "GC", "pack", "s/step", "tokens/s", "tok/s/GPU", "MFU", "peak MiB", "fits 24GB",
-                "save s", "ETA"):
-        t.add_column(col, justify="right")
+              title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
+    # "order": the ranking by tokens/s ("rank" would read as a DDP rank).
+    for col in ("order", "preset", "mb x acc", "GC", "pack", "s/step", "tokens/s", "MFU", "peak MiB", "24 GB", "ETA"):
+        t.add_column(col, justify="right", no_wrap=True)
     rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
     for i, r in enumerate(rows, 1):
         mem = max((m["peak_allocated"] or 0) for m in r["memory_mib"])
         t.add_row(str(i), r["preset"], f"{r['micro_batch']} x {r['gradient_accumulation_steps']}",
                   "on" if r["gradient_checkpointing"] else "off", "on" if r["packing"] else "off",
-                  f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
-                  f"{r['mfu']:.1%}" if r["mfu"] else "-", f"{mem:,}" if mem else "-", str(r.get("fits_24gb_note", "-")),
-                  f"{r['save_s']:.1f}", fmt_h(r["eta"]["total_s"]))
+                  f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
+                  f"{mem:,}" if mem else "-", _fits(r), fmt_h(r["eta"]["total_s"]))
     for r in led["presets"]:
         if "skipped" in r:
-            t.add_row("-", r["preset"], f"skipped: {r['skipped']}", *[""] * 10)
-    # A pipe or a log file gets the full width rather than an 80-column wrap.
-    Console(width=None if sys.stdout.isatty() else 200).print(t)
+            t.add_row("-", r["preset"], *[""] * 9)
+    return t
+
+
+def print_table(led: dict) -> None:
+    from rich.console import Console
+
+    t = table(led)
+    rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
+    # A pipe or a log file gets 100 columns rather than rich's 80-column default.
+    Console(width=None if sys.stdout.isatty() else 100).print(t)
+    for r in led["presets"]:
+        if "skipped" in r:
+            print(f"preset {r['preset']} skipped: {r['skipped']}")
     if rows:
         r = rows[0]
         print(f"total steps {r['eta']['total_steps']:,} ({r['eta']['checkpoints']} checkpoints of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
