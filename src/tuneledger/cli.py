@@ -37,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tuneledger import quiet
     from tuneledger.config import ConfigError
 
+    quiet.install()
     parser = build_parser()
     # The config file and `key=value` overrides may come before or after the options (`dryrun
     # --preset all cfg.yaml lora_rank=8`); argparse stops collecting positionals at the first

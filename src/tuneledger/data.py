@@ -341,6 +341,8 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
             fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
             desc=f"tokenizing {len(ds)} records",
         )
+        # The tokenizing bar says how long the wait is; the filter's and the save's (under a second) say nothing.
+        datasets.disable_progress_bars()
         reasons = ds["reason"]
         for where, reason in zip(ds["where"], reasons):
             if reason:
@@ -356,6 +358,8 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         shutil.rmtree(tmp)
     else:
         tmp.rename(path)
+    if progress:
+        datasets.enable_progress_bars()
     return Prepared(path, with_batch(report, cfg), invalid, False)
 
 

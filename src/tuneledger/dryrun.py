@@ -71,17 +71,19 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 
 
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
-            cap_gib: float | None = None) -> tuple[int, dict | None, bool]:
+            cap_gib: float | None = None, progress: dict | None = None) -> tuple[int, dict | None, bool]:
     """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
 
-    With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof).
+    With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof). `progress`
+    goes to the worker's step lines (progress.StepProgress).
     """
     run_dir = out_root / "dryrun" / f"{cfg.preset}{'-cap' if cap_gib else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
     if cap_gib:
         cfg = cfg.model_copy(update={"memory_cap_gib": cap_gib})
     job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
-           "result_path": str(run_dir / "result.json"), "cpu": cpu}
+           "result_path": str(run_dir / "result.json"), "cpu": cpu,
+           "progress": {**(progress or {}), "started_wall": datetime.now(timezone.utc).timestamp()}}
     rc = run_workers(job, run_dir / "job.json", nproc, log)
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
     # The checkpoint was written only to be timed and weighed; its size is in the result.
@@ -310,23 +312,29 @@ def plan(items: list[str], names: list[str], nproc: int) -> list[tuple[str, JobC
 def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig | ConfigError]], nproc: int, cpu: bool,
                     prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict) -> None:
     """Run each preset, appending its ledger row to `rows` and its raw result to `results`."""
+    runnable = [name for name, cfg in planned if not isinstance(cfg, ConfigError)]
+    earlier_s: list[float] = []  # wall time of each preset run so far, for the dry-run's ETA
     for name, cfg in planned:
         if isinstance(cfg, ConfigError):
             print(f"preset {name}: skipped: {cfg}")
             rows.append({"preset": name, "skipped": str(cfg)})
             continue
-        print(f"\n=== preset {name}: {describe(cfg, nproc)}", flush=True)
+        index = runnable.index(name) + 1
+        print(f"\n=== [{index}/{len(runnable)}] {describe(cfg, nproc)}", flush=True)
+        progress = {"label": f"dry-run preset {name} ({index} of {len(runnable)})", "later_presets": len(runnable) - index,
+                    "earlier_s": list(earlier_s)}
         started = datetime.now(timezone.utc)
         # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
-        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None)
+        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, progress)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, progress=progress)
         ended = datetime.now(timezone.utc)
+        earlier_s.append((ended - started).total_seconds())
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})

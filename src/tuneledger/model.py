@@ -151,6 +151,21 @@ def load_tokenizer(name_or_path: str) -> Any:
     return tok
 
 
+def align_special_tokens(model: Any, tok: Any) -> None:
+    """Give the model's config and generation config the tokenizer's eos, bos and pad ids.
+
+    transformers' Trainer does the same alignment itself, and then warns about it on every rank
+    of every launch; done here first, there is nothing left for it to change or say. eos stays a
+    list in the generation config, the tokenizer's first, so any of the model's own still stops it.
+    """
+    config, gen = model.config, getattr(model, "generation_config", None)
+    config.eos_token_id, config.bos_token_id, config.pad_token_id = tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
+    if gen is not None:
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+        gen.eos_token_id = [tok.eos_token_id] + [e for e in eos if e is not None and e != tok.eos_token_id]
+        gen.bos_token_id, gen.pad_token_id = tok.bos_token_id, tok.pad_token_id
+
+
 def fix_end_of_turn(tok: Any) -> None:
     """Make eos the token that ends an assistant turn.
 

@@ -21,11 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from tuneledger import quiet
+
+quiet.install()  # before transformers and peft import bitsandbytes, which logs at import
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from tuneledger.config import JobConfig
 from tuneledger.launch import last_checkpoint
 from tuneledger.perms import apply_umask
+from tuneledger.progress import StepProgress
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -258,7 +263,7 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         # running ahead and makes fast ranks wait for slow ones. A NaN then shows in the logs as NaN.
         logging_nan_inf_filter=False,
         gradient_checkpointing=False,  # enabled in model.load_model, non-reentrant
-        disable_tqdm=dryrun,
+        disable_tqdm=True,  # progress.StepProgress prints plain step lines instead (a bar breaks in a pipe)
         save_only_model=False,
         run_name=cfg.run_name,
     )
@@ -396,7 +401,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     import datasets
     import torch.distributed as dist
 
-    from tuneledger.model import load_model, load_tokenizer
+    from tuneledger.model import align_special_tokens, load_model, load_tokenizer
 
     mode, cuda = job["mode"], device.type == "cuda"
     out_dir = Path(job["out_dir"])
@@ -404,7 +409,9 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     ds = datasets.load_from_disk(job["data_path"]).select_columns(["input_ids", "labels"])
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     t0 = time.perf_counter()
+    quiet.quiet_worker_progress()
     model, info = load_model(cfg, device)
+    align_special_tokens(model, tokenizer)  # so the Trainer has nothing to align and warn about per rank
     info["load_s"] = round(time.perf_counter() - t0, 2)
 
     clock = Clock(cuda)
@@ -412,6 +419,10 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
                             callbacks=[timer, SaveConfig(cfg)], n_params=info["total_params"])
+    progress = job.get("progress") or {}
+    trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
+                                      later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
+                                      started_wall=progress.get("started_wall")))
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
