@@ -121,3 +121,44 @@ def test_special_tokens_aligned_before_the_trainer_leaves_it_nothing_to_say():
     finally:
         logger.removeHandler(handler)
     assert not [m for m in got if "PAD/BOS/EOS" in m]
+
+
+def test_run_loss_weights_each_log_by_the_steps_it_covers():
+    from tuneledger.ledger import run_loss
+
+    # logging_steps 5, a crash after checkpoint 12, resumed there, logs at 15 and at the last step 17.
+    history = [{"loss": 4.0, "step": 5}, {"loss": 3.0, "step": 10}, {"learning_rate": 1e-4, "step": 10},
+               {"loss": 2.0, "step": 15}, {"loss": 1.0, "step": 17}]
+    got = run_loss(history, resumed_step=12)
+    assert got["steps_covered"] == 5 + 5 + 3 + 2  # steps 11-12 ran before the crash and were never logged
+    assert got["mean"] == pytest.approx((4 * 5 + 3 * 5 + 2 * 3 + 1 * 2) / 15)
+    assert got["last"] == 1.0 and got["last_step"] == 17
+    assert run_loss([]) == {"mean": None, "last": None, "last_step": 0, "steps_covered": 0}
+
+
+def test_train_prints_one_loss():
+    from tuneledger.train import loss_text
+
+    assert loss_text({"train_loss": 2.5, "last_logged_loss": 1.25, "last_logged_step": 17, "global_step": 17,
+                      "loss_steps_covered": 15}) == "loss 2.5000 (mean over the 15 logged of its 17 steps), last 1.2500 at step 17"
+    assert loss_text({"train_loss": None, "global_step": 3}) == "no loss was logged"
+
+
+def test_final_metrics_drop_transformers_train_loss():
+    from tuneledger.trainer import LedgerTrainer
+
+    seen = []
+
+    class Probe(LedgerTrainer):
+        def __init__(self):  # only log() is exercised
+            self.state = SimpleNamespace(global_step=4)
+
+    import transformers
+
+    orig = transformers.Trainer.log
+    transformers.Trainer.log = lambda self, logs, *a, **k: seen.append(dict(logs))
+    try:
+        Probe().log({"train_runtime": 1.0, "train_loss": 11.86, "epoch": 1.0})
+    finally:
+        transformers.Trainer.log = orig
+    assert seen == [{"train_runtime": 1.0, "epoch": 1.0}]

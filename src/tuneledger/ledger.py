@@ -165,6 +165,27 @@ def steps_to_separate(a: dict, b: dict) -> int | None:
     return max(2, math.ceil(4 * (cv(a) ** 2 + cv(b) ** 2) / d**2))
 
 
+def run_loss(log_history: list[dict], resumed_step: int = 0) -> dict:
+    """The training loss of a whole run from its logged losses (trainer_state's log_history, which a
+    resume carries over).
+
+    Each logged loss is the mean over the steps since the previous log (or since the resume, when
+    the run resumed in between), so the run's mean is their mean weighted by those step counts.
+    transformers' own `train_loss` divides the resumed part's loss sum by every step of the run, so
+    after a resume it reads low. Returns {"mean", "last", "last_step", "steps_covered"}; the
+    losses are None when nothing was logged.
+    """
+    total, covered, prev, last, last_step = 0.0, 0, 0, None, 0
+    for h in log_history:
+        if "loss" not in h or "step" not in h:
+            continue
+        start = resumed_step if prev < resumed_step < h["step"] else prev
+        n = max(0, h["step"] - start)
+        total, covered = total + h["loss"] * n, covered + n
+        prev, last, last_step = h["step"], h["loss"], h["step"]
+    return {"mean": total / covered if covered else None, "last": last, "last_step": last_step, "steps_covered": covered}
+
+
 def fmt_h(seconds: float) -> str:
     h, rem = divmod(int(round(seconds)), 3600)
     return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"

@@ -83,10 +83,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
               f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
               f"samples in {out / 'monitor'}")
-    print(f"done: {result['global_step']} steps, mean logged loss {result['train_loss']:.4f} (last "
-          f"{result['last_logged_loss']}), last checkpoint "
+    print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
     return 0
+
+
+def loss_text(result: dict) -> str:
+    """The run's one loss line: the step-weighted mean of its logged losses and the last one."""
+    if result.get("train_loss") is None:
+        return "no loss was logged"
+    covered, steps = result.get("loss_steps_covered"), result["global_step"]
+    over = f"its {steps} steps" if covered in (None, steps) else f"the {covered} logged of its {steps} steps"
+    return (f"loss {result['train_loss']:.4f} (mean over {over}), last {result['last_logged_loss']:.4f} "
+            f"at step {result.get('last_logged_step', steps)}")
 
 
 def add_parser(sub: Any) -> None:
