@@ -27,7 +27,7 @@ from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
 from tuneledger.model import PreflightError
 from tuneledger.data import DataError
-from tuneledger.stats import prepare_for_training
+from tuneledger.stats import prepare_for_training, run_data_hash
 
 
 
@@ -373,12 +373,18 @@ def run(args: argparse.Namespace) -> int:
     except (PreflightError, DataError) as e:
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
         return 1
+    stats = prep.report
+    owner = run_data_hash(out_root, training_only=True)
+    if owner and owner[0] != stats["cache_key"]:
+        print(f"tuneledger dryrun: {out_root} is a training run on data {owner[0]} ({owner[1]}), and this dry-run's data "
+              f"is {stats['cache_key']}. A run directory belongs to one data hash: give this one another run_name "
+              "(RUN=<name>).", file=sys.stderr)
+        return 1
+    print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
+          f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
     out_root.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
     log = out_root / "dryrun.log"
     log.write_text("")
-    stats = prep.report
-    print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
-          f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
     topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
     # NVML from this (launcher) process: it holds no CUDA context, sees every GPU, and its rows go
     # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.
