@@ -162,3 +162,12 @@ def test_final_metrics_drop_transformers_train_loss():
     finally:
         transformers.Trainer.log = orig
     assert seen == [{"train_runtime": 1.0, "epoch": 1.0}]
+
+
+def test_step_progress_says_when_the_model_is_ready(capsys):
+    import time
+
+    cb = StepProgress("train r", started_wall=time.time() - 42)
+    cb.on_train_begin(None, SimpleNamespace(global_step=2, max_steps=10, is_world_process_zero=True), None)
+    out = capsys.readouterr().out
+    assert out.startswith("train r: ready after 4") and out.endswith("(start-up and model load); 8 steps to run\n")

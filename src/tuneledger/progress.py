@@ -46,6 +46,12 @@ class StepProgress(TrainerCallback):
         self._first_step = 0
         self._last_print = 0.0
 
+    def on_train_begin(self, args, state, control, **kw):
+        # Between the launch line and the first step line lie the ranks' start and the model load.
+        if state.is_world_process_zero:
+            ready = f" after {time.time() - self.started_wall:.0f} s (start-up and model load)" if self.started_wall else ""
+            print(f"{self.label}: ready{ready}; {state.max_steps - state.global_step} steps to run", flush=True)
+
     def on_step_begin(self, args, state, control, **kw):
         if self._t0 is None:
             self._t0, self._first_step = time.perf_counter(), state.global_step

@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
           f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
     print(describe(cfg, nproc), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
-           "result_path": str(out / "train.json"), "cpu": cpu}
+           "result_path": str(out / "train.json"), "cpu": cpu,
+           "progress": {"label": f"train {cfg.run_name}", "started_wall": datetime.now(timezone.utc).timestamp()}}
     # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
     sampler = None
     if not cpu:
