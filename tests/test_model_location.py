@@ -111,6 +111,6 @@ def test_nproc_beyond_the_visible_gpus_is_refused_naming_both(workdir, monkeypat
         launch.processes(False, 8)
     assert launch.processes(False, 2) == (False, 2) and launch.processes(True, 8) == (True, 8)
     for verb in ("dryrun", "train"):
-        assert cli.main([verb, "job.yaml", "--nproc", "8"]) == 2
+        assert cli.main([verb, "job.yaml", "model_name_or_path=models", "--nproc", "8"]) == 2
         assert "NPROC=8 processes asked for, but 2 GPU(s) are visible" in capsys.readouterr().err
     assert not (workdir / "runs").exists()

@@ -25,7 +25,7 @@ from tuneledger import ledger
 from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
-from tuneledger.model import PreflightError
+from tuneledger.model import PreflightError, locate_model
 from tuneledger.data import DataError
 from tuneledger.stats import prepare_for_training, run_data_hash
 
@@ -361,6 +361,7 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
+    locate_model(base.model_name_or_path)  # at once, before torch loads
     cpu, nproc = processes(args.cpu, args.nproc)
     names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
     planned = plan(args.items, names, nproc)

@@ -12,6 +12,7 @@ gradient checkpointing. bench/results has the measured difference.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -33,20 +34,26 @@ def hub_offline() -> str | None:
     (or the https proxy) must open within 1.5 s. Without this, transformers retries an unreachable
     hub for about a minute before it fails.
     """
-    import socket
-    from urllib.parse import urlsplit
-
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
             return f"{var}={os.environ[var]}"
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     proxy = (os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")) if endpoint.startswith("https") else None
-    target = urlsplit(proxy or endpoint)
+    return _unreachable(proxy or endpoint, "proxy " if proxy else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _unreachable(url: str, what: str) -> str | None:
+    """Why a TCP connection to `url`'s host cannot open within 1.5 s, or None (once per process)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    target = urlsplit(url)
     try:
         port = target.port or (443 if target.scheme == "https" else 80)
         socket.create_connection((target.hostname, port), timeout=1.5).close()
     except (OSError, ValueError) as e:
-        return f"{'proxy ' + proxy if proxy else endpoint} unreachable: {getattr(e, 'strerror', None) or e}"
+        return f"{what}{url} unreachable: {getattr(e, 'strerror', None) or e}"
     return None
 
 
@@ -132,9 +139,9 @@ def load_tokenizer(name_or_path: str) -> Any:
     the model then never learns to stop. If the tokenizer has no distinct pad, `<|endoftext|>`
     (or an added `<|pad|>`) becomes pad. Raises PreflightError if there is no chat template.
     """
+    local = locate_model(name_or_path)
     from transformers import AutoTokenizer
 
-    local = locate_model(name_or_path)
     tok = AutoTokenizer.from_pretrained(str(local) if local is not None else name_or_path)
     fix_end_of_turn(tok)
     if not tok.chat_template:

@@ -19,13 +19,14 @@ from typing import Any
 from tuneledger.config import describe, from_cli, resolve
 from tuneledger.launch import last_checkpoint, processes, run_workers
 from tuneledger.ledger import total_steps
-from tuneledger.model import PreflightError
+from tuneledger.model import PreflightError, locate_model
 from tuneledger.data import DataError
 from tuneledger.stats import prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
+    locate_model(base.model_name_or_path)  # at once, before torch loads
     cpu, nproc = processes(args.cpu, args.nproc)
     cfg = resolve(base, nproc)
     out = cfg.out_dir
