@@ -14,12 +14,17 @@ VENV ?= .venv
 # Where the verbs run: in the `trainer` container (docker compose, the pinned image, every GPU) by
 # default; LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`
 # always runs in the host venv. Docker settings (GPUs, folders, mirrors) come from .env.
-COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" \
+	|| { command -v docker-compose >/dev/null 2>&1 && echo docker-compose; })
+# The verbs that would run in the container; only they say where they run.
+CONTAINER_VERBS := stats dryrun train export quantize monitor fetch
 # No reachable Docker engine: run in the host venv rather than fail (say so once).
 ifeq ($(origin LOCAL),undefined)
 LOCAL := $(shell docker info >/dev/null 2>&1 || echo 1)
 ifeq ($(LOCAL),1)
+ifneq ($(filter $(CONTAINER_VERBS),$(MAKECMDGOALS)),)
 $(info tuneledger: no Docker engine reachable; running in the host venv (.venv). Set LOCAL=0 to insist on the container.)
+endif
 endif
 endif
 ifeq ($(LOCAL),1)
@@ -29,9 +34,9 @@ TLQ = $(VENV_QUANT)/bin/tuneledger
 QENV_DEP = $(VENV_QUANT)/.stamp
 else
 EXEC = $(COMPOSE) run --rm trainer
-ENV_DEP = host-dirs
+ENV_DEP = compose-check host-dirs
 TLQ = $(COMPOSE) run --rm quantize tuneledger
-QENV_DEP = host-dirs
+QENV_DEP = compose-check host-dirs
 endif
 TL = $(EXEC) tuneledger
 
@@ -47,23 +52,38 @@ CONFIG ?= configs/tiny.yaml
 SYNTH ?= models/synthetic-tiny
 SYNTH_ARCH := tiny
 endif
-MODEL ?= $(SYNTH)
 PRESET ?=
 DRYRUN_PRESET ?= $(or $(PRESET),all)
 
+# The model: an explicit MODEL= (command line or environment) overrides the config; otherwise the
+# config's own model_name_or_path is used, so `make train CONFIG=my.yaml` trains my.yaml's model.
+# The default configs name the synthetic model of this machine's kind.
+CONFIG_MODEL = $(shell sed -n 's/^model_name_or_path:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) 2>/dev/null | head -1)
+ifneq ($(filter command line environment override,$(origin MODEL)),)
+MODEL_OVERRIDE := model_name_or_path=$(MODEL)
+JOB_MODEL = $(MODEL)
+else ifeq ($(origin CONFIG),file)
+# The default config on a GPU machine names the hub model; its job runs on the synthetic copy.
+MODEL_OVERRIDE := model_name_or_path=$(SYNTH)
+JOB_MODEL = $(SYNTH)
+else
+MODEL_OVERRIDE :=
+JOB_MODEL = $(CONFIG_MODEL)
+endif
+
 # Make variables -> key=value overrides, in LLaMA-Factory's key names.
-OVERRIDES := model_name_or_path=$(MODEL) \
+OVERRIDES := $(MODEL_OVERRIDE) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
 # Make variables -> torchrun's c10d rendezvous across nodes (tuneledger.nodes); empty = one node.
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train export test test-slow test-all clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train export test test-slow test-all clean-cache monitor fetch image host-dirs compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
-	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
+	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(JOB_MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
 	@echo "  several nodes (train, dryrun): NNODES= NODE_RANK= RDZV_ENDPOINT=host:port MAX_RESTARTS= (docs/multi-node.md)"
 
 # VENV_TORCH=cpu: torch 2.5.1+cpu from TORCH_CPU_INDEX (docker/torch-cpu-wheel.txt, by hash), then the
@@ -76,6 +96,7 @@ VENV_CUDA_WHEELS := torch|triton|nvidia-.*-cu12
 $(VENV)/.stamp: requirements.txt pyproject.toml $(if $(filter cpu,$(VENV_TORCH)),docker/torch-cpu-wheel.txt)
 	@test -n "$(PYTHON)" || { echo "no Python 3.10 found; set PYTHON=/path/to/python3.10"; exit 1; }
 	@case "$(VENV_TORCH)" in ""|cpu) ;; *) echo "VENV_TORCH=$(VENV_TORCH): empty (the lock's torch) or cpu"; exit 2;; esac
+	@echo "venv: creating $(VENV) from requirements.txt (torch, transformers, peft, ...: about 3 GB to download, 6 GB on disk, 3-4 min on a 2-core machine)"
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(VENV_TORCH),cpu)
 	$(VENV)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: --index-url $(TORCH_CPU_INDEX) \
@@ -114,10 +135,11 @@ $(VENV_QUANT)/.stamp: requirements-quant.txt pyproject.toml
 venv-quant: $(VENV_QUANT)/.stamp ## create .venv-quant for the INT4 step (Python 3.11, torch 2.13, llm-compressor; hashes)
 
 models/synthetic-%/config.json: | $(ENV_DEP)
+	@echo "synth-model: writing the random-weight $* model to models/synthetic-$* (seconds for tiny, a few minutes for the 7B)"
 	$(TL) synth-model --arch $* models/synthetic-$*
 
-# The synthetic model is built only when the job uses it.
-MODEL_DEP := $(if $(filter $(SYNTH),$(MODEL)),$(SYNTH)/config.json)
+# A synthetic model (models/synthetic-<arch>) is built only when the job uses it.
+MODEL_DEP = $(if $(filter models/synthetic-%,$(patsubst ./%,%,$(JOB_MODEL))),$(patsubst ./%,%,$(JOB_MODEL))/config.json)
 
 stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
 	$(TL) stats $(CONFIG) $(OVERRIDES)
@@ -179,6 +201,9 @@ image: ## build the image: CUDA 12.1, Python 3.10, torch 2.5.1, the lock (mirror
 
 image-quant: ## build the INT4 step's image (Dockerfile.quant: Python 3.11, torch 2.13, llm-compressor)
 	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) --profile quantize build quantize
+
+compose-check:
+	@test -n "$(COMPOSE)" || { echo "LOCAL=0 runs the verbs with Docker Compose, and neither \`docker compose\` (the Compose v2 plugin: Debian/Ubuntu package docker-compose-plugin from Docker's apt repository, or docker-compose-v2) nor docker-compose (package docker-compose) is installed. Install one (https://docs.docker.com/compose/install/), or run in the host venv with LOCAL=1." >&2; exit 1; }
 
 # Docker creates a missing bind-mount folder as root; create them first, as you.
 host-dirs:

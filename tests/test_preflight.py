@@ -87,5 +87,5 @@ def test_7b_checkpoint_estimate_matches_the_field_report():
 
 def test_hub_id_offline_says_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(PreflightError, match="cannot fetch config.json of 'Qwen/Qwen2.5-7B-Instruct'.*local directory.*HF_ENDPOINT"):
+    with pytest.raises(PreflightError, match="Qwen/Qwen2.5-7B-Instruct: no such directory, and the hub is offline.*make fetch.*HF_ENDPOINT"):
         run_checks(cfg_for("Qwen/Qwen2.5-7B-Instruct", tmp_path), cuda=False)

@@ -14,6 +14,7 @@ Precedence, lowest first: the YAML file, then the preset (`preset: C`), then com
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,6 +98,12 @@ class JobConfig(BaseModel):
     dryrun_steps: int = 50
     dryrun_warmup_steps: int = Field(5, ge=0)  # optimizer steps excluded from the steady-state numbers
     memory_cap_gib: float | None = None  # cap each process's CUDA memory, e.g. 24 to prove a 4090 fit
+
+    @field_validator("model_name_or_path")
+    @classmethod
+    def _expand_home(cls, v: str) -> str:
+        # transformers does not expand ~; a hub id never starts with it.
+        return os.path.expanduser(v) if v.startswith("~") else v
 
     @field_validator("dataset", mode="before")
     @classmethod

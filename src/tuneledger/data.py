@@ -341,6 +341,8 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
             fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
             desc=f"tokenizing {len(ds)} records",
         )
+        # The tokenizing bar says how long the wait is; the filter's and the save's (under a second) say nothing.
+        datasets.disable_progress_bars()
         reasons = ds["reason"]
         for where, reason in zip(ds["where"], reasons):
             if reason:
@@ -362,6 +364,8 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         if not path.exists():
             raise
         shutil.rmtree(tmp)  # another process won the race; keep its copy
+    if progress:
+        datasets.enable_progress_bars()
     return Prepared(path, with_batch(report, cfg), invalid, False)
 
 

@@ -25,15 +25,16 @@ from tuneledger import ledger
 from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
-from tuneledger.model import PreflightError
+from tuneledger.model import PreflightError, locate_model
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data import DataError
-from tuneledger.stats import prepare_for_training
+from tuneledger.stats import prepare_for_training, run_data_hash
 
 
 
-def versions() -> dict:
+def versions(cpu: bool = False) -> dict:
+    """Versions of what the run used. A CPU run used no CUDA, whatever torch was built for: no "cuda"."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
@@ -42,12 +43,10 @@ def versions() -> dict:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = None
-    try:
+    if not cpu:
         import torch
 
         out["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
     return out
 
 
@@ -74,12 +73,14 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 
 
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
-            cap_gib: float | None = None, nodes: Nodes = Nodes()) -> tuple[int, dict | None, bool]:
+            cap_gib: float | None = None, nodes: Nodes = Nodes(), progress: dict | None = None
+            ) -> tuple[int, dict | None, bool]:
     """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
 
     With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof). With
     several nodes, only node 0 clears the (shared) preset folder; the others keep their job file
-    beside it, where that cannot delete it.
+    beside it, where that cannot delete it. `progress` goes to the worker's step lines
+    (progress.StepProgress).
     """
     name = f"{cfg.preset}{'-cap' if cap_gib else ''}"
     run_dir = out_root / "dryrun" / name
@@ -88,7 +89,8 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     if cap_gib:
         cfg = cfg.model_copy(update={"memory_cap_gib": cap_gib})
     job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
-           "result_path": str(run_dir / "result.json"), "cpu": cpu}
+           "result_path": str(run_dir / "result.json"), "cpu": cpu,
+           "progress": {**(progress or {}), "started_wall": datetime.now(timezone.utc).timestamp()}}
     job_path = run_dir / "job.json" if nodes.first else out_root / "dryrun" / f"job-{name}{nodes.suffix()}.json"
     rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}")
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
@@ -234,10 +236,26 @@ def finding(rows: list[dict]) -> str | None:
     done = [r for r in rows if "tokens_per_s" in r]
     if len(done) < 2:
         return None
-    best = max(done, key=lambda r: r["tokens_per_s"])
+    ranked = sorted(done, key=lambda r: -r["tokens_per_s"])
+    best = ranked[0]
     base = next((r for r in done if r["preset"] == "A"), None)
-    text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
-    if base and base is not best:
+    tied = [r for r in ranked[1:] if ledger.overlap(best, r)]
+    if tied:
+        # The measured spread cannot order them: saying "fastest" would be noise read as a result.
+        names = " and ".join(", ".join(r["preset"] for r in [best, *tied]).rsplit(", ", 1))
+        need = ledger.steps_to_separate(best, tied[0])
+        speeds = " / ".join(format(r["tokens_per_s"], ",.0f") for r in [best, *tied])
+        text = (f"presets {names} tie at {speeds} tokens/s: "
+                f"their p10-p90 ranges overlap over {best['steps_measured']} measured steps")
+        if need is None or need > 100_000:
+            text += "; they run at the same speed"
+        else:
+            text += (f"; about {need:,} steady steps each would separate {best['preset']} from {tied[0]['preset']} "
+                     f"(2 standard errors of the mean step time: dryrun_steps={need + best['warmup_steps_excluded']})")
+        text += "; choose among them by memory or ETA"
+    else:
+        text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
+    if base and base is not best and base not in tied:
         text += f", {best['tokens_per_s'] / base['tokens_per_s']:.2f}x preset A's {base['tokens_per_s']:,.0f}"
         text += f"; its ETA is {fmt_h(best['eta']['total_s'])} against A's {fmt_h(base['eta']['total_s'])}"
     low = [r for r in done if r.get("mfu") is not None and r["mfu"] < 0.15]
@@ -247,28 +265,45 @@ def finding(rows: list[dict]) -> str | None:
     return text + "."
 
 
-def print_table(led: dict) -> None:
-    from rich.console import Console
+def _fits(row: dict) -> str:
+    """The 24 GB column in one word; the note with its reason is in dryrun.md."""
+    return {True: "yes", False: "no"}.get(row.get("fits_24gb"), "n/a" if "CPU" in str(row.get("fits_24gb_note")) else "?")
+
+
+def table(led: dict) -> Any:
+    """The terminal ledger: a rich Table that fits 100 columns. dryrun.md has every column;
+    this one leaves out tokens/s per GPU, save time and the spreads, and shortens the 24 GB note."""
+    from rich import box
     from rich.table import Table
 
     t = Table(title=f"dry-run ledger: {led['world_size']} x {led['gpu']}{'  [SYNTHETIC model]' if led['synthetic'] else ''}",
-              title_justify="left")
-    for col in ("rank", "preset", "mb x accum", "GC", "pack", "s/step", "tokens/s", "tok/s/GPU", "MFU", "peak MiB", "fits 24GB",
-                "save s", "ETA"):
-        t.add_column(col, justify="right")
+              title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
+    # "order": the ranking by tokens/s ("rank" would read as a DDP rank).
+    for col in ("order", "preset", "mb x acc", "GC", "pack", "s/step", "tokens/s", "MFU", "peak MiB", "24 GB", "ETA"):
+        t.add_column(col, justify="right", no_wrap=True)
     rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
     for i, r in enumerate(rows, 1):
         mem = max((m["peak_allocated"] or 0) for m in r["memory_mib"])
         t.add_row(str(i), r["preset"], f"{r['micro_batch']} x {r['gradient_accumulation_steps']}",
                   "on" if r["gradient_checkpointing"] else "off", "on" if r["packing"] else "off",
-                  f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
-                  f"{r['mfu']:.1%}" if r["mfu"] else "-", f"{mem:,}" if mem else "-", str(r.get("fits_24gb_note", "-")),
-                  f"{r['save_s']:.1f}", fmt_h(r["eta"]["total_s"]))
+                  f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
+                  f"{mem:,}" if mem else "-", _fits(r), fmt_h(r["eta"]["total_s"]))
     for r in led["presets"]:
         if "skipped" in r:
-            t.add_row("-", r["preset"], f"skipped: {r['skipped']}", *[""] * 10)
-    # A pipe or a log file gets the full width rather than an 80-column wrap.
-    Console(width=None if sys.stdout.isatty() else 200).print(t)
+            t.add_row("-", r["preset"], *[""] * 9)
+    return t
+
+
+def print_table(led: dict) -> None:
+    from rich.console import Console
+
+    t = table(led)
+    rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
+    # A pipe or a log file gets 100 columns rather than rich's 80-column default.
+    Console(width=None if sys.stdout.isatty() else 100).print(t)
+    for r in led["presets"]:
+        if "skipped" in r:
+            print(f"preset {r['preset']} skipped: {r['skipped']}")
     if rows:
         r = rows[0]
         print(f"total steps {r['eta']['total_steps']:,} ({r['eta']['checkpoints']} checkpoints of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
@@ -297,23 +332,30 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
     """Run each preset, appending its ledger row to `rows` and its raw result to `results`.
     nproc: this node's processes; the world size is nodes x nproc."""
     world = nodes.world_size(nproc)
+    runnable = [name for name, cfg in planned if not isinstance(cfg, ConfigError)]
+    earlier_s: list[float] = []  # wall time of each preset run so far, for the dry-run's ETA
     for name, cfg in planned:
         if isinstance(cfg, ConfigError):
             print(f"preset {name}: skipped: {cfg}")
             rows.append({"preset": name, "skipped": str(cfg)})
             continue
-        print(f"\n=== preset {name}: {describe(cfg, world)}", flush=True)
+        index = runnable.index(name) + 1
+        print(f"\n=== [{index}/{len(runnable)}] {describe(cfg, world)}", flush=True)
+        progress = {"label": f"dry-run preset {name} ({index} of {len(runnable)})", "later_presets": len(runnable) - index,
+                    "earlier_s": list(earlier_s)}
         started = datetime.now(timezone.utc)
         # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
-        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, nodes)
+        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, nodes,
+                                  progress)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes, progress)
         ended = datetime.now(timezone.utc)
+        earlier_s.append((ended - started).total_seconds())
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
@@ -341,6 +383,7 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
     nodes = from_args(args)
+    locate_model(base.model_name_or_path)  # at once, before torch loads
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
@@ -349,17 +392,23 @@ def run(args: argparse.Namespace) -> int:
     if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone
         raise errors[0]
     out_root = base.out_dir
-    out_root.mkdir(parents=True, exist_ok=True)
-    log = out_root / f"dryrun{nodes.suffix()}.log"
-    log.write_text("")
     try:
         prep = prepare_for_training(base, cpu)
     except (PreflightError, DataError) as e:
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
         return 1
     stats = prep.report
+    owner = run_data_hash(out_root, training_only=True)
+    if owner and owner[0] != stats["cache_key"]:
+        print(f"tuneledger dryrun: {out_root} is a training run on data {owner[0]} ({owner[1]}), and this dry-run's data "
+              f"is {stats['cache_key']}. A run directory belongs to one data hash: give this one another run_name "
+              "(RUN=<name>).", file=sys.stderr)
+        return 1
     print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
           f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
+    out_root.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
+    log = out_root / f"dryrun{nodes.suffix()}.log"
+    log.write_text("")
     topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
     # NVML from this (launcher) process: it holds no CUDA context, sees every GPU, and its rows go
     # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.
@@ -390,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
         "synthetic": bool(first and first["model"]["synthetic"]),
         "world_size": world, "backend": "gloo" if cpu else "nccl",
         "gpu": first["ranks"][0]["gpu_name"] if first else ("cpu" if cpu else "?"),
-        "topology": topo, "versions": versions(), "dataset": base.dataset, "data_hash": stats["cache_key"],
+        "topology": topo, "versions": versions(cpu), "dataset": base.dataset, "data_hash": stats["cache_key"],
         "data_files": stats["data_files"], "stats": stats, "global_batch_size": base.global_batch_size,
         "dryrun_steps": base.dryrun_steps, "warmup_steps": base.dryrun_warmup_steps,
         "config": base.model_dump(), "presets": rows, "finding": finding(rows),

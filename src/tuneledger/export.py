@@ -46,6 +46,7 @@ from typing import Any, Iterator
 
 from tuneledger.launch import last_checkpoint
 from tuneledger.model import PreflightError, load_tokenizer, read_model_config
+from tuneledger.perms import apply_umask
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
@@ -272,6 +273,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
             "samples": [tokenizer.decode(g["tokens"], skip_special_tokens=False) for g in got[:2]],
         }
         (tmp / "export.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False))
+        apply_umask(tmp)  # safetensors wrote model.safetensors 0600
     return ledger
 
 

@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from tuneledger.config import ConfigError
 from tuneledger.nodes import Nodes, nccl_env
 
 # The last line of a Python traceback, with or without torchrun's "[rankN]: " prefix.
@@ -39,6 +40,13 @@ def processes(cpu: bool, nproc: int | None) -> tuple[bool, int]:
     """(CPU run?, number of ranks): every visible GPU; with none (or `cpu`), 2 gloo processes, so
     the DDP path still runs. An explicit `nproc` wins."""
     gpus = 0 if cpu else visible_gpus()
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc / NPROC must be at least 1, got {nproc}")
+    if gpus and nproc and nproc > gpus:
+        # Two ranks on one GPU would each hold a whole model copy and fight for its memory.
+        raise ConfigError(f"NPROC={nproc} processes asked for, but {gpus} GPU(s) are visible"
+                          f"{' (CUDA_VISIBLE_DEVICES=' + os.environ['CUDA_VISIBLE_DEVICES'] + ')' if os.environ.get('CUDA_VISIBLE_DEVICES') else ''}: "
+                          f"DDP runs one process per GPU. Set NPROC to {gpus} or fewer, or leave it unset for every visible GPU.")
     return gpus == 0, nproc or gpus or 2
 
 

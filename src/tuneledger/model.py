@@ -12,6 +12,7 @@ gradient checkpointing. bench/results has the measured difference.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -26,18 +27,78 @@ class PreflightError(RuntimeError):
     """A check that runs before weights load failed. The message says what to fix."""
 
 
+def hub_offline() -> str | None:
+    """Why the model hub cannot be reached right now, or None when it may be.
+
+    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE say so; otherwise a TCP connection to HF_ENDPOINT's host
+    (or the https proxy) must open within 1.5 s. Without this, transformers retries an unreachable
+    hub for about a minute before it fails.
+    """
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]}"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    proxy = (os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")) if endpoint.startswith("https") else None
+    return _unreachable(proxy or endpoint, "proxy " if proxy else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _unreachable(url: str, what: str) -> str | None:
+    """Why a TCP connection to `url`'s host cannot open within 1.5 s, or None (once per process)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    target = urlsplit(url)
+    try:
+        port = target.port or (443 if target.scheme == "https" else 80)
+        socket.create_connection((target.hostname, port), timeout=1.5).close()
+    except (OSError, ValueError) as e:
+        return f"{what}{url} unreachable: {getattr(e, 'strerror', None) or e}"
+    return None
+
+
+def looks_like_path(name: str) -> bool:
+    """True when `name` is meant as a local path, never a hub id (`org/name` or `name`): it starts
+    with '.', '/' or '~', has more than one '/', or its parent directory exists here."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        return True
+    return "/" in name and Path(name).parent.is_dir()
+
+
+def locate_model(name: str) -> Path | None:
+    """The local directory `name` (model_name_or_path) names, or None for a hub id the hub may serve.
+
+    The one check every verb makes before it loads a config, tokenizer or weights. Raises
+    PreflightError at once, saying how to get the model, when `name` is a path that is not a
+    directory (see `looks_like_path`), or when it is not a local directory and the hub is offline.
+    """
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise PreflightError(f"model {name} is a file, not a model directory")
+    if looks_like_path(name):
+        raise PreflightError(f"model {name}: no such directory (relative to {Path.cwd()}). `make fetch MODEL=<hub id>` "
+                             f"downloads a model into models/<name>: `make fetch MODEL=Qwen/{local.name}` makes "
+                             f"models/{local.name}.")
+    offline = hub_offline()
+    if offline:
+        raise PreflightError(f"model {name}: no such directory, and the hub is offline ({offline}). `make fetch "
+                             f"MODEL={name}` downloads it into models/{local.name} where the hub, or a mirror set in "
+                             f"HF_ENDPOINT, is reachable; then use MODEL=models/{local.name}.")
+    return None
+
+
 def read_model_config(name_or_path: str) -> dict:
     """config.json of a local model directory or a hub repo (that one file only, honouring HF_ENDPOINT).
 
     Raises PreflightError when it cannot be found or read.
     """
-    local = Path(name_or_path)
-    if local.is_dir():
+    local = locate_model(name_or_path)
+    if local is not None:
         path = local / "config.json"
         if not path.is_file():
             raise PreflightError(f"{local} has no config.json: is it a model directory?")
-    elif local.exists() or name_or_path.startswith((".", "/")):
-        raise PreflightError(f"model path {name_or_path} is not a directory")
     else:
         try:
             from huggingface_hub import hf_hub_download
@@ -78,9 +139,10 @@ def load_tokenizer(name_or_path: str) -> Any:
     the model then never learns to stop. If the tokenizer has no distinct pad, `<|endoftext|>`
     (or an added `<|pad|>`) becomes pad. Raises PreflightError if there is no chat template.
     """
+    local = locate_model(name_or_path)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    tok = AutoTokenizer.from_pretrained(str(local) if local is not None else name_or_path)
     fix_end_of_turn(tok)
     if not tok.chat_template:
         raise PreflightError(f"tokenizer of {name_or_path} has no chat_template; use an -Instruct model or add one")
@@ -94,6 +156,21 @@ def load_tokenizer(name_or_path: str) -> Any:
             tok.add_special_tokens({"pad_token": "<|pad|>"})
     tok.padding_side = "right"
     return tok
+
+
+def align_special_tokens(model: Any, tok: Any) -> None:
+    """Give the model's config and generation config the tokenizer's eos, bos and pad ids.
+
+    transformers' Trainer does the same alignment itself, and then warns about it on every rank
+    of every launch; done here first, there is nothing left for it to change or say. eos stays a
+    list in the generation config, the tokenizer's first, so any of the model's own still stops it.
+    """
+    config, gen = model.config, getattr(model, "generation_config", None)
+    config.eos_token_id, config.bos_token_id, config.pad_token_id = tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
+    if gen is not None:
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+        gen.eos_token_id = [tok.eos_token_id] + [e for e in eos if e is not None and e != tok.eos_token_id]
+        gen.bos_token_id, gen.pad_token_id = tok.bos_token_id, tok.pad_token_id
 
 
 def fix_end_of_turn(tok: Any) -> None:

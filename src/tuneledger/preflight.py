@@ -70,11 +70,11 @@ def check_disk(cfg: JobConfig, config: dict) -> str:
 
 def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
     """Run every check; return one line per check. Raises PreflightError on the first failure."""
+    config = read_model_config(cfg.model_name_or_path)  # first: a missing model is said before torch loads
     if cuda is None:
         import torch
 
         cuda = torch.cuda.is_available()
-    config = read_model_config(cfg.model_name_or_path)
     check_text_causal_lm(config, cfg.model_name_or_path)
     arch = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
     lines = [f"model: {cfg.model_name_or_path} ({arch}){' SYNTHETIC (random weights)' if is_synthetic(config) else ''}"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from tuneledger.config import JobConfig, from_cli
@@ -52,7 +53,7 @@ def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
     return prep
 
 
-def render(prep: Prepared, cfg: JobConfig) -> None:
+def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -62,6 +63,10 @@ def render(prep: Prepared, cfg: JobConfig) -> None:
     t.add_column("what", style="bold")
     t.add_column("value", justify="right")
     rec, tok, ln = r["records"], r["tokens"], r["length"]
+    t.add_row("model", cfg.model_name_or_path)
+    named = (f"{tokenizer.name_or_path} ({type(tokenizer).__name__}, {len(tokenizer):,} tokens), " if tokenizer is not None else "")
+    t.add_row("tokenizer", f"{named}fingerprint {r['tokenizer_fingerprint']}")
+    t.add_row("data hash (cache key)", r["cache_key"])
     t.add_row("records (total / valid / invalid)", f"{rec['total']:,} / {rec['valid']:,} / {rec['invalid']:,}")
     for reason, n in rec["invalid_by_reason"].items():
         t.add_row(f"  invalid: {reason}", f"{n:,}")
@@ -82,25 +87,55 @@ def render(prep: Prepared, cfg: JobConfig) -> None:
         print(f"... and {len(prep.invalid) - SHOW_INVALID} more in {cfg.out_dir / 'invalid.jsonl'}")
 
 
-def write(prep: Prepared, cfg: JobConfig) -> None:
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+def run_data_hash(out_dir: Path, training_only: bool = False) -> tuple[str, str] | None:
+    """(data hash, the file that says so) of the run in `out_dir`, or None for a new run.
+
+    A run directory belongs to one data hash: the tokenized cache's key (data files' sha256,
+    tokenizer, template, cutoff_len, ...), the `data_hash` of the ledgers. The training run's
+    job.json decides first, then the dry-run ledger, then stats.json; `training_only` reads job.json alone.
+    """
+    sources = [("job.json", lambda d: Path(d["data_path"]).name)]
+    if not training_only:
+        sources += [("dryrun.json", lambda d: d["data_hash"]), ("stats.json", lambda d: d["cache_key"])]
+    for name, read in sources:
+        try:
+            return read(json.loads((out_dir / name).read_text())), str(out_dir / name)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def write(prep: Prepared, cfg: JobConfig) -> Path:
+    """Write stats.json and invalid.jsonl into the run directory, or, when that run belongs to
+    other data, stats-<hash>.json and invalid-<hash>.jsonl beside them. Returns the stats path."""
+    out_dir, key = cfg.out_dir, prep.report["cache_key"]
+    owner = run_data_hash(out_dir)
+    suffix = f"-{key}" if owner and owner[0] != key else ""
+    out_dir.mkdir(parents=True, exist_ok=True)
     out = dict(prep.report, dataset=cfg.dataset, model=cfg.model_name_or_path, template=cfg.template)
-    (cfg.out_dir / "stats.json").write_text(json.dumps(out, indent=1, ensure_ascii=False))
-    with open(cfg.out_dir / "invalid.jsonl", "w", encoding="utf-8") as f:
+    path = out_dir / f"stats{suffix}.json"
+    path.write_text(json.dumps(out, indent=1, ensure_ascii=False))
+    with open(out_dir / f"invalid{suffix}.jsonl", "w", encoding="utf-8") as f:
         for inv in prep.invalid:
             f.write(json.dumps(inv.as_dict(), ensure_ascii=False) + "\n")
+    if suffix:
+        print(f"{out_dir} belongs to data {owner[0]} ({owner[1]}); these stats are of other data ({key}), so they went "
+              f"to {path.name}, leaving the run's own stats.json as it was. To train on this data, give it a run of "
+              f"its own: RUN=<name> (run_name=<name>).")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = from_cli(args.items)
     try:
-        prep = load_prepared(cfg)
+        tokenizer = load_tokenizer(cfg.model_name_or_path)
+        prep = prepare(cfg, tokenizer)
     except (DataError, PreflightError) as e:
         print(f"tuneledger stats: {e}", file=sys.stderr)
         return 1
-    render(prep, cfg)
-    write(prep, cfg)
-    print(f"wrote {cfg.out_dir / 'stats.json'}")
+    render(prep, cfg, tokenizer)
+    path = write(prep, cfg)
+    print(f"wrote {path}")
     problem = gate(prep, cfg)
     if problem:
         print(f"tuneledger stats: {problem}", file=sys.stderr)

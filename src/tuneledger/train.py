@@ -19,7 +19,7 @@ from typing import Any
 from tuneledger.config import describe, from_cli, resolve
 from tuneledger.launch import last_checkpoint, processes, run_workers
 from tuneledger.ledger import total_steps
-from tuneledger.model import PreflightError
+from tuneledger.model import PreflightError, locate_model
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.nodes import from_args, summary
 from tuneledger.data import DataError
@@ -29,16 +29,17 @@ from tuneledger.stats import prepare_for_training
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
     nodes = from_args(args)
+    locate_model(base.model_name_or_path)  # at once, before torch loads
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
     cfg = resolve(base, world)
     out = cfg.out_dir
-    out.mkdir(parents=True, exist_ok=True)
     try:
         prep = prepare_for_training(cfg, cpu)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
+    out.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
     from tuneledger.trainer import resume_conflicts  # torch: only once a run is asked for
 
     resume = None if cfg.resume_from_checkpoint == "never" else (
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
           f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
     print(describe(cfg, world) + (f" ({nodes.nnodes} nodes x {nproc})" if nodes.multi else ""), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
-           "result_path": str(out / "train.json"), "cpu": cpu}
+           "result_path": str(out / "train.json"), "cpu": cpu,
+           "progress": {"label": f"train {cfg.run_name}", "started_wall": datetime.now(timezone.utc).timestamp()}}
     # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
     sampler = None
     if not cpu:
@@ -100,10 +102,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
               f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
               f"samples in {out / 'monitor'}")
-    print(f"done: {result['global_step']} steps, mean logged loss {result['train_loss']:.4f} (last "
-          f"{result['last_logged_loss']}), last checkpoint "
+    print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
     return 0
+
+
+def loss_text(result: dict) -> str:
+    """The run's one loss line: the step-weighted mean of its logged losses and the last one."""
+    if result.get("train_loss") is None:
+        return "no loss was logged"
+    covered, steps = result.get("loss_steps_covered"), result["global_step"]
+    over = f"its {steps} steps" if covered in (None, steps) else f"the {covered} logged of its {steps} steps"
+    return (f"loss {result['train_loss']:.4f} (mean over {over}), last {result['last_logged_loss']:.4f} "
+            f"at step {result.get('last_logged_step', steps)}")
 
 
 def add_parser(sub: Any) -> None:

@@ -21,11 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from tuneledger import quiet
+
+quiet.install()  # before transformers and peft import bitsandbytes, which logs at import
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from tuneledger.config import JobConfig
 from tuneledger.launch import last_checkpoint
+from tuneledger.ledger import run_loss
 from tuneledger.nodes import check_same_nodes, host_name
+from tuneledger.perms import apply_umask
+from tuneledger.progress import StepProgress
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -138,6 +145,10 @@ class LedgerTrainer(Trainer):
         return 6 * self.n_params * inputs["input_ids"].numel()
 
     def log(self, logs: dict, *args, **kw) -> None:
+        if "train_runtime" in logs:
+            # The end-of-run metrics: their train_loss reads low after a resume (ledger.run_loss);
+            # `tuneledger train` prints the whole run's loss itself, once.
+            logs.pop("train_loss", None)
         if "loss" in logs and self.state.global_step:
             seen = int(self.tokens.item())
             now = time.perf_counter()
@@ -151,6 +162,15 @@ class LedgerTrainer(Trainer):
                 logs["eta_h"] = round(left * per_step / 3600, 3)
             self._log_tokens, self._log_time, self._log_step = seen, now, self.state.global_step
         super().log(logs, *args, **kw)
+
+
+class LogLastStep(TrainerCallback):
+    """Log at the last step too, so the run's loss covers its tail (transformers logs every
+    logging_steps only)."""
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
 
 
 class TokenSnapshot(TrainerCallback):
@@ -184,6 +204,7 @@ class SaveConfig(TrainerCallback):
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():
                 (ckpt / CONFIG_IN_CHECKPOINT).write_text(json.dumps(self.cfg.model_dump(), indent=1, ensure_ascii=False))
+                apply_umask(ckpt)  # safetensors wrote adapter_model.safetensors 0600
 
 
 def resume_conflicts(checkpoint: str | Path, cfg: JobConfig) -> list[str]:
@@ -257,7 +278,7 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         # running ahead and makes fast ranks wait for slow ones. A NaN then shows in the logs as NaN.
         logging_nan_inf_filter=False,
         gradient_checkpointing=False,  # enabled in model.load_model, non-reentrant
-        disable_tqdm=dryrun,
+        disable_tqdm=True,  # progress.StepProgress prints plain step lines instead (a bar breaks in a pipe)
         save_only_model=False,
         run_name=cfg.run_name,
     )
@@ -398,7 +419,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     import datasets
     import torch.distributed as dist
 
-    from tuneledger.model import load_model, load_tokenizer
+    from tuneledger.model import align_special_tokens, load_model, load_tokenizer
 
     mode, cuda = job["mode"], device.type == "cuda"
     out_dir = Path(job["out_dir"])
@@ -406,14 +427,20 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     ds = datasets.load_from_disk(job["data_path"]).select_columns(["input_ids", "labels"])
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     t0 = time.perf_counter()
+    quiet.quiet_worker_progress()
     model, info = load_model(cfg, device)
+    align_special_tokens(model, tokenizer)  # so the Trainer has nothing to align and warn about per rank
     info["load_s"] = round(time.perf_counter() - t0, 2)
 
     clock = Clock(cuda)
     timer = StepTimer(clock)
     trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
-                            callbacks=[timer, SaveConfig(cfg)], n_params=info["total_params"])
+                            callbacks=[timer, SaveConfig(cfg), LogLastStep()], n_params=info["total_params"])
+    progress = job.get("progress") or {}
+    trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
+                                      later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
+                                      started_wall=progress.get("started_wall")))
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
@@ -459,13 +486,12 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 else None
     ckpt = last_checkpoint(out_dir)
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
-    # transformers' training_loss divides the resumed part's loss sum by every step, so after a
-    # resume it reads low; the logged losses cover the whole run (the history is restored too).
-    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # The whole run's loss from the logged losses (the history is restored on resume): see ledger.run_loss.
+    loss = run_loss(trainer.state.log_history, int(Path(resume).name.split("-")[-1]) if resume else 0)
     return {
         "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
-        "train_loss": sum(logged) / len(logged) if logged else out.training_loss,
-        "last_logged_loss": logged[-1] if logged else None, "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
+        "train_loss": loss["mean"], "last_logged_loss": loss["last"], "last_logged_step": loss["last_step"],
+        "loss_steps_covered": loss["steps_covered"], "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
         "checkpoint_bytes": ckpt_bytes, "allreduce": allreduce, "report_to": report_to,
         "config": cfg.model_dump(), "resumed_from": resume, "peak_tflops": peak,
     }
