@@ -1,7 +1,9 @@
 """Start the per-rank workers with torchrun, one process per GPU (gloo processes on a CPU).
 
 The rendezvous port is picked free by the OS each time: the field notes hit 'Address already in
-use' on torchrun's default 29500 when a second job shared the machine.
+use' on torchrun's default 29500 when a second job shared the machine. Nothing listens beyond
+loopback: the rendezvous store is bound to 127.0.0.1 (tuneledger.torchrun) and the ranks' gloo
+and NCCL sockets to `lo` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -46,6 +48,20 @@ def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
+def torchrun_command(nproc: int, port: int, target: list[str]) -> list[str]:
+    """torchrun for one node, its rendezvous store listening on 127.0.0.1 only (tuneledger.torchrun)."""
+    return [sys.executable, "-m", "tuneledger.torchrun", f"--nproc-per-node={nproc}", "--nnodes=1",
+            "--master-addr=127.0.0.1", f"--master-port={port}", *target]
+
+
+def loopback_env(env: dict) -> dict:
+    """Pin the ranks' gloo and NCCL sockets to the loopback interface: a single-node job needs no
+    other, and otherwise they listen on the host's address. Values already set are kept."""
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return env
+
+
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None) -> int:
     """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
 
@@ -54,9 +70,8 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "tuneledger.trainer", str(job_path)]
-    env = dict(os.environ)
+    cmd = torchrun_command(nproc, port, ["-m", "tuneledger.trainer", str(job_path)])
+    env = loopback_env(dict(os.environ))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NCCL_DEBUG", "WARN")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, nproc))))

@@ -12,7 +12,6 @@ boundary, before and after the optimizer and at step end, and reads them once af
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tuneledger.config import JobConfig
 from tuneledger.launch import last_checkpoint
+from tuneledger.safeload import checkpoint_loading
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -124,13 +124,13 @@ class LedgerTrainer(Trainer):
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         return super().training_step(model, inputs, num_items_in_batch)
 
-    # Resuming on the pinned torch 2.5.1: see trusted_torch_load.
+    # Optimizer, scheduler and RNG state: loaded so that no code in them can run (safeload.py).
     def _load_optimizer_and_scheduler(self, checkpoint):
-        with trusted_torch_load(checkpoint, self.args.output_dir):
+        with checkpoint_loading():
             return super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_rng_state(self, checkpoint):
-        with trusted_torch_load(checkpoint, self.args.output_dir):
+        with checkpoint_loading():
             return super()._load_rng_state(checkpoint)
 
     def floating_point_ops(self, inputs) -> int:
@@ -277,44 +277,6 @@ def resolve_report_to(cfg: JobConfig, rank: int) -> str:
         return "none"
 
 
-@contextlib.contextmanager
-def trusted_torch_load(checkpoint: str | None, out_dir: str):
-    """Let torch < 2.6 load the optimizer, scheduler and RNG state of this run's own checkpoint.
-
-    transformers 5 refuses torch.load below torch 2.6 because of CVE-2025-32434 (a crafted .pt
-    file can run code even with weights_only=True). The pinned image runs torch 2.5.1, so without
-    this no run could resume. The refusal is lifted only while loading a checkpoint inside this
-    run's own output_dir; any other file still refuses. torch 2.5 also cannot map to the device
-    string "cpu:N" that multi-process CPU runs use, so that is mapped to "cpu"; and it needs
-    numpy's RNG-state types allow-listed, as transformers does itself from torch 2.6 on.
-    """
-    import numpy as np
-    from packaging.version import Version
-
-    import transformers.trainer as hf_trainer
-
-    old_torch = Version(torch.__version__.split("+")[0]) < Version("2.6")
-    own = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(Path(out_dir).resolve())
-    if not (old_torch and own):
-        yield
-        return
-    saved_check, saved_load = hf_trainer.check_torch_load_is_safe, torch.load
-
-    def load(f, map_location=None, **kw):
-        if isinstance(map_location, torch.device) and map_location.type == "cpu":
-            map_location = "cpu"
-        return saved_load(f, map_location=map_location, **kw)
-
-    hf_trainer.check_torch_load_is_safe, torch.load = (lambda: None), load
-    np_core = getattr(np, "_core", None) or np.core
-    numpy_types = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:
-        with torch.serialization.safe_globals(numpy_types):
-            yield
-    finally:
-        hf_trainer.check_torch_load_is_safe, torch.load = saved_check, saved_load
-
-
 def bench_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float | None:
     """Measured dense bf16 matmul rate of this GPU (TFLOP/s, 2 n^3 per product, median of `iters`),
     the MFU denominator. Random data: zeros run faster and would flatter the peak."""
@@ -419,7 +381,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         resume = last_checkpoint(out_dir) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint
         if resume and rank == 0:
             print(f"resuming from {resume}", flush=True)
-    wall0 = time.perf_counter()
+    wall0, wall_started = time.perf_counter(), time.time() - 1  # 1 s: file systems with coarse mtimes
     try:
         out = trainer.train(resume_from_checkpoint=resume)
     except torch.cuda.OutOfMemoryError as e:
@@ -458,11 +420,16 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     # transformers' training_loss divides the resumed part's loss sum by every step, so after a
     # resume it reads low; the logged losses cover the whole run (the history is restored too).
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # The ledger names TensorBoard only if this run wrote event files (not if it merely asked).
+    tb_dir = Path(os.environ.get("TENSORBOARD_LOGGING_DIR", out_dir / "tensorboard"))
+    events = [f for f in tb_dir.rglob("events.out.tfevents.*") if f.stat().st_mtime >= wall_started] if tb_dir.is_dir() else []
+    report_to = "tensorboard" if report_to == "tensorboard" and (events or rank != 0) else "none"
     return {
         "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
         "train_loss": sum(logged) / len(logged) if logged else out.training_loss,
         "last_logged_loss": logged[-1] if logged else None, "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
         "checkpoint_bytes": ckpt_bytes, "allreduce": allreduce, "report_to": report_to,
+        "tensorboard_dir": str(tb_dir) if report_to == "tensorboard" else None,
         "config": cfg.model_dump(), "resumed_from": resume, "peak_tflops": peak,
     }
 
