@@ -26,7 +26,7 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     if rec["total"] == 0:
         return f"no record in {', '.join(cfg.dataset)}: the data files hold no record"
     if rec["valid"] == 0:
-        kinds = "; ".join(f"{n:,} {kind}" for kind, n in rec["invalid_by_reason"].items())
+        kinds = "; ".join(f"{kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items())
         example = f"; the first: {prep.invalid[0]}" if prep.invalid else ""
         return f"no valid record in {', '.join(cfg.dataset)}: all {rec['invalid']:,} are invalid ({kinds}){example}"
     if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
