@@ -109,7 +109,7 @@ def test_seed_fixes_the_lora_init(tiny_model):
 def test_same_seed_same_first_losses_two_gloo_ranks(tmp_path, tiny_model):
     def train(name, *extra):
         args = [str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={tiny_model}", f"output_dir={tmp_path / name}",
-                f"cache_dir={tmp_path / 'cache'}", "max_samples=16", "cutoff_len=64", "global_batch_size=4",
+                f"cache_dir={tmp_path / 'cache'}", "max_samples=16", "cutoff_len=128", "global_batch_size=4",
                 "max_steps=2", "logging_steps=1", "save_steps=100", "lora_rank=8", *extra]
         p = subprocess.run([sys.executable, "-m", "tuneledger", "train", *args, "--cpu", "--nproc", "2"],
                            capture_output=True, text=True, cwd=ROOT, timeout=900)

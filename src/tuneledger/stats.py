@@ -59,7 +59,7 @@ def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
     prep = load_prepared(cfg)
     # What was left out is reported here exactly as `stats` reports it, and written beside the run.
     rec = prep.report["records"]
-    print(f"data: {rec['total']:,} records, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
+    print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
           + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
     print_invalid(prep, cfg)
     write(prep, cfg)
