@@ -47,6 +47,22 @@ def test_lone_surrogate_escape_is_invalid_not_a_crash_later(tmp_path):
     assert isinstance(bad, Invalid) and bad.field == "messages[1].content" and "lone surrogate \\ud800" in bad.reason
 
 
+def test_non_utf8_key_can_still_be_reported(tmp_path):
+    # Found by bench/fuzz_data.py: the bad bytes were in a key, so the field name carried them and
+    # writing invalid.jsonl raised UnicodeEncodeError.
+    p = tmp_path / "d.json"
+    p.write_bytes(b'[{"\xed\xa0\x80": null}]')
+    (where, bad), = records(p)
+    assert isinstance(bad, Invalid) and bad.field == "\\udced\\udca0\\udc80" and "(in a key)" in bad.reason
+    json.dumps(bad.as_dict(), ensure_ascii=False).encode("utf-8")
+
+
+def test_to_messages_refuses_text_no_tokenizer_can_take():
+    # Records from files are checked by read_records; this is every other way in (placeholders too).
+    got = to_messages({"instruction": "{{name}}", "output": "a"}, "x:1", {"name": "\udc80"})
+    assert isinstance(got, Invalid) and got.kind == "not UTF-8" and got.field == "instruction"
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_utf8_bom_is_accepted(tmp_path, suffix):
     p = tmp_path / f"d{suffix}"

@@ -55,6 +55,10 @@ class Invalid:
 
     def __post_init__(self) -> None:
         self.kind = self.kind or self.reason
+        # A field name or path can hold the very bytes that are not UTF-8; escape them, so the
+        # record can still be printed and written to invalid.jsonl.
+        for name in ("where", "field", "reason", "kind"):
+            setattr(self, name, getattr(self, name).encode("utf-8", "backslashreplace").decode("utf-8"))
 
     def __str__(self) -> str:
         return f"{self.where}: field '{self.field}': {self.reason}"
@@ -252,6 +256,9 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
     for role, content, _, content_field in turns:
         if placeholders:
             content = PLACEHOLDER.sub(lambda g: placeholders.get(g.group(1), g.group(0)), content)
+        bad = bad_text(content)
+        if bad:  # read_records finds these in files; this guards every other caller (and placeholders)
+            return Invalid(where, content_field, bad, "not UTF-8")
         left = PLACEHOLDER.search(content)
         if left:
             return Invalid(where, content_field, f"unfilled placeholder {left.group(0)}: set placeholders: "
@@ -384,6 +391,8 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     if cfg.template == "qwen" and "<|im_start|>" not in (tokenizer.chat_template or ""):
         raise DataError(f"template: qwen expects a ChatML chat template (<|im_start|>...<|im_end|>), and the tokenizer of "
                         f"{cfg.model_name_or_path} has another; set template=tokenizer to render with it as it is")
+    if cfg.default_system and bad_text(cfg.default_system):
+        raise DataError(f"default_system: {bad_text(cfg.default_system)}")
     hashes, tok_fp = {str(f): file_sha256(f) for f in files}, tokenizer_fingerprint(tokenizer)
     key = cache_key(list(hashes.values()), tok_fp, cfg.template, cfg.cutoff_len,
                     {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples})
