@@ -50,6 +50,7 @@ def test_not_a_causal_lm_is_refused(tmp_path, tiny_model):
 
 def test_missing_tensorboard_fails_with_the_fix(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # even if an earlier test imported it
     with pytest.raises(PreflightError, match="pip install tensorboard .* or set report_to=none"):
         run_checks(cfg_for(tiny_model, tmp_path), cuda=False)
     assert any("logging: none" in line for line in run_checks(cfg_for(tiny_model, tmp_path, report_to="none"), cuda=False))

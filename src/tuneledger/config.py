@@ -44,7 +44,7 @@ class JobConfig(BaseModel):
 
     # -- model
     model_name_or_path: str
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # LLaMA-Factory's key; true is refused (docs/security.md)
     flash_attn: Literal["auto", "sdpa", "fa2", "eager"] = "auto"
     # -- data
     dataset: list[str]
@@ -110,6 +110,17 @@ class JobConfig(BaseModel):
     def _split_datasets(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("trust_remote_code")
+    @classmethod
+    def _no_remote_code(cls, v: bool) -> bool:
+        # Refused rather than passed through: it would run Python files from the model folder (or
+        # the hub) in every rank, and the models this tool trains are all built into transformers.
+        if v:
+            raise ValueError("true is refused: it would run Python code shipped with the model in every process. "
+                             "tuneledger trains models built into transformers (Qwen2.5, Llama, Mistral, ...); use "
+                             "the transformers-native variant of the model and set trust_remote_code: false")
         return v
 
     @field_validator(

@@ -146,6 +146,7 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
         **s, "mfu": u, "peak_tflops_measured": peak,
         "save_s": save_s, "checkpoint_bytes": result["checkpoint_bytes"], "eta": e,
         "train_loss": result["train_loss"], "model": model, "allreduce": result.get("allreduce") or {},
+        "report_to": result.get("report_to"),  # what was written, not what was asked
         "config": cfg.model_dump(),
     }
 

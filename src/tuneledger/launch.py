@@ -1,7 +1,9 @@
 """Start the per-rank workers with torchrun, one process per GPU (gloo processes on a CPU).
 
 The rendezvous port is picked free by the OS each time: the field notes hit 'Address already in
-use' on torchrun's default 29500 when a second job shared the machine.
+use' on torchrun's default 29500 when a second job shared the machine. Nothing listens beyond
+loopback: the rendezvous store is bound to 127.0.0.1 (tuneledger.torchrun) and the ranks' gloo
+and NCCL sockets to `lo` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -65,6 +67,20 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def torchrun_command(nproc: int, port: int, target: list[str], extra: list[str] = ()) -> list[str]:
+    """torchrun for one node, its rendezvous store listening on 127.0.0.1 only (tuneledger.torchrun)."""
+    return [sys.executable, "-m", "tuneledger.torchrun", f"--nproc-per-node={nproc}", "--nnodes=1",
+            "--master-addr=127.0.0.1", f"--master-port={port}", *extra, *target]
+
+
+def loopback_env(env: dict) -> dict:
+    """Pin the ranks' gloo and NCCL sockets to the loopback interface: a single-node job needs no
+    other, and otherwise they listen on the host's address. Values already set are kept."""
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return env
+
+
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None, nodes: Nodes | None = None,
                 rdzv_id: str = "tuneledger") -> int:
     """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
@@ -78,16 +94,18 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     """
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
+    target = ["-m", "tuneledger.trainer", str(job_path)]
     if nodes and nodes.multi:
-        where = nodes.torchrun_args(nproc, rdzv_id)
+        # Several nodes: the store and the ranks must listen where the other nodes can reach them.
+        cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(nproc, rdzv_id), *target]
         rendezvous = f"node {nodes.node_rank} of {nodes.nnodes}, c10d rendezvous {nodes.rdzv_endpoint} ({rdzv_id})"
+        env = dict(os.environ)
     else:
         port = free_port()
-        where = [f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
-                 *([f"--max-restarts={nodes.max_restarts}"] if nodes and nodes.max_restarts else [])]
+        restarts = [f"--max-restarts={nodes.max_restarts}"] if nodes and nodes.max_restarts else []
+        cmd = torchrun_command(nproc, port, target, restarts)
         rendezvous = f"rendezvous 127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, "-m", "tuneledger.trainer", str(job_path)]
-    env = dict(os.environ)
+        env = loopback_env(dict(os.environ))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NCCL_DEBUG", "WARN")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, nproc))))

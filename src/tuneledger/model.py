@@ -133,11 +133,14 @@ def is_synthetic(config: dict) -> bool:
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """The model's tokenizer, with a pad token distinct from eos.
+    """The model's tokenizer, with a pad token that is an existing token (distinct from eos if possible).
 
-    Pad == eos would mask the end-of-turn token out of the loss wherever padding is masked, and
-    the model then never learns to stop. If the tokenizer has no distinct pad, `<|endoftext|>`
-    (or an added `<|pad|>`) becomes pad. Raises PreflightError if there is no chat template.
+    No token is ever added: a new `<|pad|>` gets the id len(vocab), which can lie past the
+    model's embedding rows (an IndexError on the first padded batch). Without a pad token, the
+    first of `<|endoftext|>`, `<|pad|>`, unk that exists becomes pad, else eos itself. Pad == eos is
+    safe here: labels are built per token (padding gets -100, attention_mask 0), never derived
+    from input_ids == pad, so the end-of-turn token stays supervised. Raises PreflightError if
+    there is no chat template or no eos.
     """
     local = locate_model(name_or_path)
     from transformers import AutoTokenizer
@@ -149,11 +152,9 @@ def load_tokenizer(name_or_path: str) -> Any:
     if tok.eos_token is None:
         raise PreflightError(f"tokenizer of {name_or_path} has no eos_token")
     if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
-        candidates = [t for t in ("<|endoftext|>", "<|pad|>") if t in tok.get_vocab() and t != tok.eos_token]
-        if candidates:
-            tok.pad_token = candidates[0]
-        else:
-            tok.add_special_tokens({"pad_token": "<|pad|>"})
+        vocab = tok.get_vocab()
+        candidates = [t for t in ("<|endoftext|>", "<|pad|>", tok.unk_token) if t and t in vocab and t != tok.eos_token]
+        tok.pad_token = candidates[0] if candidates else tok.eos_token
     tok.padding_side = "right"
     return tok
 
@@ -171,6 +172,28 @@ def align_special_tokens(model: Any, tok: Any) -> None:
         eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
         gen.eos_token_id = [tok.eos_token_id] + [e for e in eos if e is not None and e != tok.eos_token_id]
         gen.bos_token_id, gen.pad_token_id = tok.bos_token_id, tok.pad_token_id
+
+
+def check_embedding_rows(tok: Any, config: dict, name: str) -> str:
+    """Refuse a tokenizer that can produce ids past the model's embedding rows (an IndexError in
+    the first forward pass otherwise). `config` is the model's config.json. Returns a line for the log.
+
+    Raises PreflightError naming the token, its id and the number of rows.
+    """
+    rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not rows:
+        return "tokenizer: the model config has no vocab_size to check the ids against"
+    for what in ("pad", "eos"):
+        token, tid = getattr(tok, f"{what}_token"), getattr(tok, f"{what}_token_id")
+        if tid is not None and tid >= rows:
+            raise PreflightError(f"tokenizer of {name}: the {what} token {token!r} has id {tid:,}, but the model has "
+                                 f"only {rows:,} embedding rows (ids 0..{rows - 1:,}); use the tokenizer that came with "
+                                 "the model, or one whose special tokens lie inside its vocabulary")
+    if len(tok) > rows:
+        raise PreflightError(f"tokenizer of {name} has {len(tok):,} tokens, but the model has only {rows:,} embedding "
+                             f"rows: ids {rows:,}..{len(tok) - 1:,} would fail in the first forward pass; use the "
+                             "tokenizer that came with the model")
+    return f"tokenizer: {len(tok):,} tokens within the model's {rows:,} embedding rows, pad {tok.pad_token!r}"
 
 
 def fix_end_of_turn(tok: Any) -> None:
@@ -202,7 +225,8 @@ def attention_backend(requested: str, device_type: str) -> str:
 
 
 def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
-    """Load the base model on `device` (4-bit when `quantization_bit` is 4) and wrap it with LoRA.
+    """Load the base model on `device` (4-bit when `quantization_bit` is 4) and wrap it with LoRA,
+    initialised from `cfg.seed`.
 
     Returns (peft model, info) where info has trainable/total parameters, attention backend,
     dtype and whether the model is synthetic. Raises PreflightError for 4-bit without CUDA.
@@ -237,6 +261,11 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     model.enable_input_require_grads()
 
     target = "all-linear" if cfg.lora_target == "all" else [t.strip() for t in cfg.lora_target.split(",")]
+    # The LoRA A matrices are drawn at random here, before the Trainer seeds anything: seed first,
+    # so the same seed gives the same adapter (and the same first losses).
+    from transformers import set_seed
+
+    set_seed(cfg.seed)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)

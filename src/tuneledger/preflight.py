@@ -1,7 +1,8 @@
 """`tuneledger preflight`: the checks that run before any weights load, each failing in seconds.
 
-- the logging backend asked for imports (a missing tensorboard crashed the field report's run
-  only after the 7B model had loaded);
+- the logging backend asked for imports and writes, as the run will import it (a missing
+  tensorboard crashed the field report's run only after the 7B model had loaded; one too old for
+  torch.utils.tensorboard passed a bare `import tensorboard`);
 - bitsandbytes' CUDA library loads when quantization is on;
 - the output filesystem has room for the checkpoints to keep;
 - the model's config.json is read first and is a text causal LM (a VL variant is refused before
@@ -11,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,13 +20,37 @@ from tuneledger.config import JobConfig, from_cli
 from tuneledger.model import PreflightError, check_text_causal_lm, is_synthetic, read_model_config
 
 
+def tensorboard_problem() -> str | None:
+    """Why TensorBoard logging would not work in this environment, or None.
+
+    Does what the run does: transformers' TensorBoardCallback imports
+    `torch.utils.tensorboard.SummaryWriter` (which refuses tensorboard < 1.15, and fails on a
+    protobuf it cannot use), then writes events; so this imports it and writes one scalar to a
+    temporary folder. Any exception counts, not only ImportError.
+    """
+    import tempfile
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with tempfile.TemporaryDirectory() as tmp:
+            writer = SummaryWriter(log_dir=tmp)
+            writer.add_scalar("preflight", 1.0, 0)
+            writer.close()
+            if not list(Path(tmp).glob("events.out.tfevents.*")):
+                return "torch.utils.tensorboard wrote no event file"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def check_logging(cfg: JobConfig) -> str:
     if cfg.report_to == "tensorboard":
-        try:
-            importlib.import_module("tensorboard")
-        except ImportError:
-            raise PreflightError("report_to=tensorboard but tensorboard is not installed. Fix: pip install tensorboard "
-                                 "(it is in requirements.txt), or set report_to=none") from None
+        problem = tensorboard_problem()
+        if problem:
+            raise PreflightError(f"report_to=tensorboard but TensorBoard logging does not work here ({problem}). Fix: "
+                                 "pip install tensorboard (requirements.txt pins one that works with this torch), or set "
+                                 "report_to=none") from None
     return f"logging: {cfg.report_to}"
 
 

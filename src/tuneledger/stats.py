@@ -15,7 +15,8 @@ from typing import Any
 
 from tuneledger.config import JobConfig, from_cli
 from tuneledger.data import DataError, Prepared, prepare
-from tuneledger.model import PreflightError, load_tokenizer
+from tuneledger.model import (PreflightError, check_embedding_rows, check_text_causal_lm, load_tokenizer,
+                              read_model_config)
 
 SHOW_INVALID = 10  # printed; all of them go to invalid.jsonl
 
@@ -23,8 +24,12 @@ SHOW_INVALID = 10  # printed; all of them go to invalid.jsonl
 def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     """Why this dataset must not be trained on, or None. Shared by stats, dryrun and train."""
     rec = prep.report["records"]
+    if rec["total"] == 0:
+        return f"no record in {', '.join(cfg.dataset)}: the data files hold no record"
     if rec["valid"] == 0:
-        return f"no valid record in {', '.join(cfg.dataset)} ({rec['invalid']} invalid)"
+        kinds = "; ".join(f"{kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items())
+        example = f"; the first: {prep.invalid[0]}" if prep.invalid else ""
+        return f"no valid record in {', '.join(cfg.dataset)}: all {rec['invalid']:,} are invalid ({kinds}){example}"
     if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
         return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
                 f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
@@ -32,7 +37,13 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
 
 
 def load_prepared(cfg: JobConfig, progress: bool = True) -> Prepared:
+    """The model checks that need only config.json and the tokenizer (the same for stats, dryrun
+    and train: a VL variant, a tokenizer past the embedding rows), then the prepared data.
+    Raises PreflightError or DataError."""
+    config = read_model_config(cfg.model_name_or_path)
+    check_text_causal_lm(config, cfg.model_name_or_path)
     tokenizer = load_tokenizer(cfg.model_name_or_path)
+    check_embedding_rows(tokenizer, config, cfg.model_name_or_path)
     return prepare(cfg, tokenizer, progress=progress)
 
 
@@ -47,6 +58,12 @@ def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
     for line in run_checks(cfg, cuda=not cpu):
         print(f"preflight ok: {line}")
     prep = load_prepared(cfg)
+    # What was left out is reported here exactly as `stats` reports it, and written beside the run.
+    rec = prep.report["records"]
+    print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
+          + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
+    print_invalid(prep, cfg)
+    write(prep, cfg)
     problem = gate(prep, cfg)
     if problem:
         raise DataError(problem)
@@ -80,11 +97,17 @@ def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     t.add_row("mean tokens per step", f"{r['tokens_per_step']:,.0f}")
     t.add_row("cache", f"{prep.path}{' (hit)' if prep.from_cache else ''}")
     console.print(t)
-    # Plain lines, never wrapped, so they grep.
+    print_invalid(prep, cfg)
+
+
+def print_invalid(prep: Prepared, cfg: JobConfig) -> None:
+    """The first SHOW_INVALID records left out, as plain lines (never wrapped, so they grep)."""
     for inv in prep.invalid[:SHOW_INVALID]:
         print(f"invalid {inv}")
     if len(prep.invalid) > SHOW_INVALID:
         print(f"... and {len(prep.invalid) - SHOW_INVALID} more in {cfg.out_dir / 'invalid.jsonl'}")
+    elif prep.invalid:
+        print(f"(all of them in {cfg.out_dir / 'invalid.jsonl'})")
 
 
 def run_data_hash(out_dir: Path, training_only: bool = False) -> tuple[str, str] | None:

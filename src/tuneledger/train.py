@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
               f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
               f"samples in {out / 'monitor'}")
+    if cfg.report_to == "tensorboard" and result.get("report_to") != "tensorboard":
+        print("WARNING: report_to=tensorboard, but this run wrote no TensorBoard event file; train.json says "
+              "report_to: none", file=sys.stderr)
     print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
     return 0

@@ -12,7 +12,6 @@ boundary, before and after the optimizer and at step end, and reads them once af
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ from tuneledger.ledger import run_loss
 from tuneledger.nodes import check_same_nodes, host_name
 from tuneledger.perms import apply_umask
 from tuneledger.progress import StepProgress
+from tuneledger.safeload import checkpoint_loading
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -132,13 +132,13 @@ class LedgerTrainer(Trainer):
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         return super().training_step(model, inputs, num_items_in_batch)
 
-    # Resuming on the pinned torch 2.5.1: see trusted_torch_load.
+    # Optimizer, scheduler and RNG state: loaded so that no code in them can run (safeload.py).
     def _load_optimizer_and_scheduler(self, checkpoint):
-        with trusted_torch_load(checkpoint, self.args.output_dir):
+        with checkpoint_loading():
             return super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_rng_state(self, checkpoint):
-        with trusted_torch_load(checkpoint, self.args.output_dir):
+        with checkpoint_loading():
             return super()._load_rng_state(checkpoint)
 
     def floating_point_ops(self, inputs) -> int:
@@ -299,44 +299,6 @@ def resolve_report_to(cfg: JobConfig, rank: int) -> str:
         return "none"
 
 
-@contextlib.contextmanager
-def trusted_torch_load(checkpoint: str | None, out_dir: str):
-    """Let torch < 2.6 load the optimizer, scheduler and RNG state of this run's own checkpoint.
-
-    transformers 5 refuses torch.load below torch 2.6 because of CVE-2025-32434 (a crafted .pt
-    file can run code even with weights_only=True). The pinned image runs torch 2.5.1, so without
-    this no run could resume. The refusal is lifted only while loading a checkpoint inside this
-    run's own output_dir; any other file still refuses. torch 2.5 also cannot map to the device
-    string "cpu:N" that multi-process CPU runs use, so that is mapped to "cpu"; and it needs
-    numpy's RNG-state types allow-listed, as transformers does itself from torch 2.6 on.
-    """
-    import numpy as np
-    from packaging.version import Version
-
-    import transformers.trainer as hf_trainer
-
-    old_torch = Version(torch.__version__.split("+")[0]) < Version("2.6")
-    own = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(Path(out_dir).resolve())
-    if not (old_torch and own):
-        yield
-        return
-    saved_check, saved_load = hf_trainer.check_torch_load_is_safe, torch.load
-
-    def load(f, map_location=None, **kw):
-        if isinstance(map_location, torch.device) and map_location.type == "cpu":
-            map_location = "cpu"
-        return saved_load(f, map_location=map_location, **kw)
-
-    hf_trainer.check_torch_load_is_safe, torch.load = (lambda: None), load
-    np_core = getattr(np, "_core", None) or np.core
-    numpy_types = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:
-        with torch.serialization.safe_globals(numpy_types):
-            yield
-    finally:
-        hf_trainer.check_torch_load_is_safe, torch.load = saved_check, saved_load
-
-
 def bench_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float | None:
     """Measured dense bf16 matmul rate of this GPU (TFLOP/s, 2 n^3 per product, median of `iters`),
     the MFU denominator. Random data: zeros run faster and would flatter the peak."""
@@ -450,7 +412,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         resume = last_checkpoint(out_dir) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint
         if resume and rank == 0:
             print(f"resuming from {resume}", flush=True)
-    wall0 = time.perf_counter()
+    wall0, wall_started = time.perf_counter(), time.time() - 1  # 1 s: file systems with coarse mtimes
     try:
         out = trainer.train(resume_from_checkpoint=resume)
     except torch.cuda.OutOfMemoryError as e:
@@ -488,11 +450,16 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
     # The whole run's loss from the logged losses (the history is restored on resume): see ledger.run_loss.
     loss = run_loss(trainer.state.log_history, int(Path(resume).name.split("-")[-1]) if resume else 0)
+    # The ledger names TensorBoard only if this run wrote event files (not if it merely asked).
+    tb_dir = Path(os.environ.get("TENSORBOARD_LOGGING_DIR", out_dir / "tensorboard"))
+    events = [f for f in tb_dir.rglob("events.out.tfevents.*") if f.stat().st_mtime >= wall_started] if tb_dir.is_dir() else []
+    report_to = "tensorboard" if report_to == "tensorboard" and (events or rank != 0) else "none"
     return {
         "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
         "train_loss": loss["mean"], "last_logged_loss": loss["last"], "last_logged_step": loss["last_step"],
         "loss_steps_covered": loss["steps_covered"], "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
         "checkpoint_bytes": ckpt_bytes, "allreduce": allreduce, "report_to": report_to,
+        "tensorboard_dir": str(tb_dir) if report_to == "tensorboard" else None,
         "config": cfg.model_dump(), "resumed_from": resume, "peak_tflops": peak,
     }
 
