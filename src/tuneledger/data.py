@@ -348,14 +348,21 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns("reason")
     report = summarize(ds, total, invalid, cfg)
     report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-    tmp = path.with_name(path.name + ".tmp")
-    ds.save_to_disk(str(tmp))
-    (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
-    if path.exists():  # another process won the race; keep its copy
-        import shutil
-        shutil.rmtree(tmp)
-    else:
-        tmp.rename(path)
+    # A folder of its own (two runs may build the same key at once), renamed into place whole.
+    import shutil
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{key}.tmp-"))
+    try:
+        ds.save_to_disk(str(tmp))
+        (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
+        os.rename(tmp, path)  # atomic; fails if another process put its copy there first
+    except OSError:
+        if not (path / "tuneledger.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, if another process won the race
     return Prepared(path, with_batch(report, cfg), invalid, False)
 
 

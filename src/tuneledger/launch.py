@@ -6,12 +6,15 @@ use' on torchrun's default 29500 when a second job shared the machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 
@@ -40,10 +43,77 @@ def processes(cpu: bool, nproc: int | None) -> tuple[bool, int]:
 
 
 def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
-    """The newest complete checkpoint-N in out_dir (one with trainer_state.json and `require`)."""
-    done = [p for p in Path(out_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
-            and all((p / f).is_file() for f in ("trainer_state.json", *require))]
-    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+    """The newest checkpoint-N in out_dir whose manifest verifies (checkpoints.problem), or None.
+    `require`: files it must also hold."""
+    from tuneledger.checkpoints import problem, step_of
+
+    done = [p for p in Path(out_dir).glob("checkpoint-*") if step_of(p) is not None
+            and all((p / f).is_file() for f in require)]
+    for p in sorted(done, key=step_of, reverse=True):
+        if problem(p) is None:
+            return str(p)
+    return None
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun's ranks), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends SIGTERM when the launcher dies (PR_SET_PDEATHSIG),
+    so a kill -9 of `tuneledger train` does not leave torchrun and its ranks training as orphans."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+
+
+class _Stopper:
+    """The launcher's SIGTERM/SIGINT/SIGHUP handler: pass SIGTERM straight to the ranks (not to
+    torchrun, whose own handler SIGKILLs them after 30 s), and SIGKILL everything after the grace
+    period or at a second Ctrl-C."""
+
+    def __init__(self, proc: subprocess.Popen, grace_s: float):
+        self.proc, self.grace_s = proc, grace_s
+        self.signal: str | None = None
+        self.killed = False
+        self.timer: threading.Timer | None = None
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            if signum == signal.SIGINT:
+                self.kill()
+            return
+        self.signal = name
+        ranks = _child_pids(self.proc.pid)
+        print(f"\n{name}: asking the {len(ranks)} rank(s) to finish their step and save (up to "
+              f"{self.grace_s:g} s, stop_grace_period_s){'; Ctrl-C again to kill them now' if signum == signal.SIGINT else ''}",
+              file=sys.stderr, flush=True)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        self.timer = threading.Timer(self.grace_s, self.kill)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def kill(self):
+        if self.proc.poll() is not None:
+            return
+        self.killed = True
+        for pid in _child_pids(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # torchrun starts each rank in its own session
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
 
 
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None) -> int:
@@ -64,28 +134,36 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     if job.get("cpu"):
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"launch: {nproc} process(es), rendezvous 127.0.0.1:{port}", flush=True)
-    log = open(log_path, "a", encoding="utf-8") if log_path else None
+    # Line-buffered: after a kill -9 or a full disk the log holds every line up to then.
+    log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None
     causes: dict[str, None] = {}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    # Its own session: a terminal's Ctrl-C reaches this process only, which decides what the ranks get.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    stopper = _Stopper(proc, float(job.get("config", {}).get("stop_grace_period_s", 120)))
+    saved = {s: signal.signal(s, stopper.handle) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
+            sys.stdout.flush()
             if log:
                 log.write(line)
             cause = ROOT_CAUSE.match(line)
             if cause and "ChildFailedError" not in line:
                 causes[cause.group(1).strip()] = None
         rc = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait()
-        print("\ninterrupted: the ranks were stopped; the same command again resumes from the last checkpoint",
-              file=sys.stderr, flush=True)
-        raise
     finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        if stopper.timer:
+            stopper.timer.cancel()
         if log:
             log.close()
+    if stopper.killed:
+        print(f"the ranks did not stop within stop_grace_period_s={stopper.grace_s:g} s of {stopper.signal} and were "
+              "killed; the same command resumes from the last good checkpoint", file=sys.stderr, flush=True)
+        return 124
     if rc != 0 and causes:
         # A failed rank buries its error in every rank's traceback and torchrun's own: say it once.
         print("\nworker error: " + "\n              ".join(list(causes)[-3:]), file=sys.stderr, flush=True)

@@ -16,11 +16,14 @@ from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
-from tuneledger.config import describe, from_cli, resolve
-from tuneledger.launch import last_checkpoint, processes, run_workers
+from tuneledger.checkpoints import MANIFEST, REQUIRED, problem, scan, set_aside
+from tuneledger.config import JobConfig, describe, from_cli, resolve
+from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import total_steps
-from tuneledger.model import PreflightError
+from tuneledger.model import PreflightError, read_model_config
+from tuneledger.preflight import checkpoint_estimate
 from tuneledger.data import DataError
+from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.stats import prepare_for_training
 
 
@@ -31,14 +34,63 @@ def run(args: argparse.Namespace) -> int:
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     try:
+        with RunLock(out) as lock:
+            if lock.stale:
+                print(f"note: {out / 'run.lock'} was left by pid {lock.stale.get('pid')} on {lock.stale.get('host')} "
+                      "(it is not running any more); taking it over")
+            return _run_locked(cfg, cpu, nproc)
+    except RunLocked as e:
+        print(f"tuneledger train: {e}", file=sys.stderr)
+        return 1
+
+
+def pick_checkpoint(cfg: JobConfig) -> tuple[str | None, str | None]:
+    """(checkpoint to resume from, or None; why the run must not start, or None).
+
+    `auto`: the newest checkpoint whose manifest verifies. Damaged newer ones are named in a
+    warning and renamed to damaged-checkpoint-N (kept; never deleted). If checkpoints exist but
+    none verifies, the run refuses rather than silently starting over. A path is used as given
+    if it verifies (or is an old checkpoint without a manifest but with every file a resume needs).
+    """
+    out = cfg.out_dir
+    if cfg.resume_from_checkpoint == "never":
+        return None, None
+    if cfg.resume_from_checkpoint != "auto":
+        path = Path(cfg.resume_from_checkpoint)
+        why = problem(path)
+        if why and (path / MANIFEST).is_file():
+            return None, f"resume_from_checkpoint={path} does not verify: {why}"
+        missing = [f for f in REQUIRED if not (path / f).is_file()]
+        if missing:
+            return None, (f"resume_from_checkpoint={path} lacks {', '.join(missing)}: resuming would reset the "
+                          "optimizer, the learning-rate schedule or the settings check")
+        return str(path), None
+    good, bad = scan(out)
+    if bad:
+        moved = set_aside(bad)
+        lines = "\n  ".join(f"{p.name}: {why} -> kept as {m.name}" for (p, why), m in zip(bad, moved))
+        print(f"WARNING: {len(bad)} checkpoint(s) in {out} do not verify and are skipped (not deleted):\n  {lines}",
+              file=sys.stderr, flush=True)
+        if good is None:
+            return None, (f"no checkpoint in {out} verifies (see above), so there is nothing safe to resume from. Start "
+                          "over with resume_from_checkpoint=never, or point resume_from_checkpoint at one you trust")
+    return (str(good) if good else None), None
+
+
+def _run_locked(cfg: JobConfig, cpu: bool, nproc: int) -> int:
+    out = cfg.out_dir
+    try:
         prep = prepare_for_training(cfg, cpu)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
-    from tuneledger.trainer import resume_conflicts  # torch: only once a run is asked for
+    from tuneledger.trainer import data_changes, resume_conflicts  # torch: only once a run is asked for
 
-    resume = None if cfg.resume_from_checkpoint == "never" else (
-        last_checkpoint(out) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint)
+    resume, refusal = pick_checkpoint(cfg)
+    if refusal:
+        print(f"tuneledger train: {refusal}", file=sys.stderr)
+        return 2
+    steps = total_steps(prep.report, cfg)
     if resume:
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
         conflicts = resume_conflicts(resume, cfg)
@@ -47,17 +99,30 @@ def run(args: argparse.Namespace) -> int:
                   + "\n  ".join(conflicts) + "\nResuming would silently train something else. Use another run_name "
                   "for the new settings, or resume_from_checkpoint=never to start this folder over.", file=sys.stderr)
             return 2
-        if state.get("max_steps") and state["global_step"] >= state["max_steps"]:
-            print(f"{out} is already trained: {resume} is step {state['global_step']} of {state['max_steps']}. "
+        changed = data_changes(resume, prep.report["data_files"])
+        if changed and not cfg.resume_on_changed_data:
+            print(f"tuneledger train: the data changed since {resume} was saved:\n  " + "\n  ".join(changed)
+                  + "\nResuming would go on training on other data than the run so far. Use another run_name, "
+                  "resume_from_checkpoint=never to start over, or resume_on_changed_data=true to resume anyway.",
+                  file=sys.stderr)
+            return 2
+        if changed:
+            print("WARNING: resuming on changed data (resume_on_changed_data=true):\n  " + "\n  ".join(changed),
+                  file=sys.stderr)
+        # The requested length, not the checkpoint's: raising max_steps / num_train_epochs goes on.
+        if state["global_step"] >= steps:
+            print(f"{out} is already trained: {resume} is step {state['global_step']} of {steps}. "
                   "Use another run_name for a new run, or raise max_steps / num_train_epochs to go on.")
             return 0
-        print(f"resuming from {resume} (step {state['global_step']})")
-    steps = total_steps(prep.report, cfg)
+        print(f"resuming from {resume} (step {state['global_step']} of {steps})")
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
           f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
     print(describe(cfg, nproc), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
-           "result_path": str(out / "train.json"), "cpu": cpu}
+           "result_path": str(out / "train.json"), "cpu": cpu, "resume": resume,
+           "data_files": prep.report["data_files"], "checkpoint_bytes_estimate": checkpoint_estimate(cfg, read_model_config(cfg.model_name_or_path))[0]}
+    result_path = out / "train.json"
+    result_path.unlink(missing_ok=True)  # a stale one must not pass for this run's result
     # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
     sampler = None
     if not cpu:
@@ -71,18 +136,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuneledger train: a rank failed (exit {rc}); the log is {out / 'train.log'}. "
               "Start the same command again to resume from the last checkpoint.", file=sys.stderr)
         return rc
-    result = json.loads((out / "train.json").read_text())
+    result = json.loads(result_path.read_text())
+    stopped = result.get("stopped") or {}
+    if stopped.get("reason") == "nonfinite":
+        print(f"tuneledger train: loss {stopped['loss']} / grad norm {stopped['grad_norm']} at step {stopped['step']} "
+              f"(finite until step {stopped['last_finite_step']}): stopped, that step not saved; the last good "
+              f"checkpoint is {result['checkpoint']}. Lower learning_rate (now {cfg.learning_rate:g}) or check the "
+              "data, then start over with another run_name.", file=sys.stderr)
+        return 3
     if rows:
         from tuneledger.dryrun import used_gpus
         from tuneledger.monitor import summarize_window
 
         gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
         result["gpu_window"] = gpu
-        (out / "train.json").write_text(json.dumps(result, indent=1))
+        result_path.write_text(json.dumps(result, indent=1))
         util, mem = gpu["util_mean_pct"], gpu["mem_peak_frac"]
         print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
               f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
               f"samples in {out / 'monitor'}")
+    if stopped.get("reason") == "signal":
+        print(f"stopped by {stopped['signal']} after step {stopped['step']}: saved {result['checkpoint']}. "
+              "The same command resumes from it.")
+        return 0
     print(f"done: {result['global_step']} steps, mean logged loss {result['train_loss']:.4f} (last "
           f"{result['last_logged_loss']}), last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
