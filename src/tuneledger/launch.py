@@ -148,7 +148,11 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
             sys.stdout.write(line)
             sys.stdout.flush()
             if log:
-                log.write(line)
+                try:
+                    log.write(line)
+                except OSError as e:  # a full disk must not kill the launcher that reports it
+                    print(f"launch: cannot write {log_path} ({e}); the log goes on here only", file=sys.stderr)
+                    log = None
             cause = ROOT_CAUSE.match(line)
             if cause and "ChildFailedError" not in line:
                 causes[cause.group(1).strip()] = None
@@ -159,7 +163,8 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         if stopper.timer:
             stopper.timer.cancel()
         if log:
-            log.close()
+            with contextlib.suppress(OSError):
+                log.close()
     if stopper.killed:
         print(f"the ranks did not stop within stop_grace_period_s={stopper.grace_s:g} s of {stopper.signal} and were "
               "killed; the same command resumes from the last good checkpoint", file=sys.stderr, flush=True)
