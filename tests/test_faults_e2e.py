@@ -225,7 +225,10 @@ def test_changed_data_is_refused_unless_resume_on_changed_data(tmp_path, finishe
     run = copy_of(finished, tmp_path)
     before = data.read_text(encoding="utf-8")
     try:
-        data.write_text(before.replace('"', "'", 0) + before.splitlines(keepends=True)[0], encoding="utf-8")
+        lines = before.splitlines(keepends=True)
+        record = json.loads(lines[0])
+        record["output"] += " Changed."  # same path, same number of records, other contents
+        data.write_text(json.dumps(record, ensure_ascii=False) + "\n" + "".join(lines[1:]), encoding="utf-8")
         p = tl(*args(tiny_model, data, run, "max_steps=6"))
         assert p.returncode == 2 and "the data changed since" in p.stderr
         assert p.stderr.count("sha256") == 2 and "resume_on_changed_data=true" in p.stderr

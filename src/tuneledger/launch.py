@@ -141,7 +141,9 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True, preexec_fn=_die_with_parent)
     stopper = _Stopper(proc, float(job.get("config", {}).get("stop_grace_period_s", 120)))
-    saved = {s: signal.signal(s, stopper.handle) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # A training stops cleanly (its ranks save); a dry-run is simply interrupted (KeyboardInterrupt).
+    graceful = job.get("mode") == "train"
+    saved = {s: signal.signal(s, stopper.handle) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)} if graceful else {}
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -157,6 +159,11 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
             if cause and "ChildFailedError" not in line:
                 causes[cause.group(1).strip()] = None
         rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()  # torchrun passes SIGTERM on to the ranks
+        proc.wait()
+        print("\ninterrupted: the ranks were stopped", file=sys.stderr, flush=True)
+        raise
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
