@@ -132,7 +132,11 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int) -> int:
     started = datetime.now(timezone.utc)
     rc = run_workers(job, out / "job.json", nproc, out / "train.log")
     rows = sampler.stop() if sampler else []
-    if rc != 0:
+    # torchrun exits non-zero when it was signalled itself (Slurm without B: signals every process),
+    # even though the ranks stopped cleanly and saved: their result says so.
+    stopped_cleanly = rc != 0 and result_path.is_file() and \
+        (json.loads(result_path.read_text()).get("stopped") or {}).get("reason") == "signal"
+    if rc != 0 and not stopped_cleanly:
         print(f"tuneledger train: a rank failed (exit {rc}); the log is {out / 'train.log'}. "
               "Start the same command again to resume from the last checkpoint.", file=sys.stderr)
         return rc
