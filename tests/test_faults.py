@@ -241,11 +241,16 @@ def test_nonfinite_loss_or_grad_norm_stops_before_the_save(capsys):
 def test_collapse_warns_once(capsys):
     from tuneledger.trainer import NonFiniteGuard
 
+    g, args, c = NonFiniteGuard(), train_cfg(Path("r")), control()
+    for step in (1, 2, 3):  # a healthy run never warns
+        g.on_log(args, state(step), c, logs={"loss": 5.0, "grad_norm": 0.8})
+    assert "collapsed" not in capsys.readouterr().err
+
     g, args, c = NonFiniteGuard(), train_cfg(Path("r"), learning_rate=1e6), control()
-    for step, loss, gn in [(1, 11.9, 3.0), (2, 7.5, 0.0), (3, 7.5, 0.0), (4, 7.5, 0.0), (5, 7.5, 0.0)]:
+    for step, loss, gn in [(1, 11.9, 3.0), (2, 7.5, 0.0), (3, 7.4, 0.0), (4, 7.5, 0.0), (5, 7.5, 0.0)]:
         g.on_log(args, state(step), c, logs={"loss": loss, "grad_norm": gn})
     err = capsys.readouterr().err
-    assert err.count("WARNING: training has collapsed") == 1 and "from step 2 to 4" in err
+    assert err.count("WARNING: training has collapsed") == 1 and "grad norm 0 from step 2 to 4, loss 7.4..7.5" in err
     assert not c.should_training_stop  # a warning: the numbers are finite
 
 

@@ -279,8 +279,8 @@ class NonFiniteGuard(TrainerCallback):
     Checked at every log (the logged loss is the mean over every rank and every step since the
     last log, so one NaN anywhere shows) and forced at every save step: no NaN checkpoint is
     written, so none can rotate a good one out. Every rank sees the same logged numbers and
-    stops at the same step. Collapse: the grad norm exactly 0 with the loss unchanged for
-    COLLAPSE_LOGS logs in a row (weights blown to a saturated state, as with learning_rate=1e6).
+    stops at the same step. Collapse: the grad norm 0 (<= 1e-8) for COLLAPSE_LOGS logs in a row
+    (weights blown to a saturated state, as with learning_rate=1e6): a warning, the run goes on.
     """
 
     COLLAPSE_LOGS = 3
@@ -310,15 +310,14 @@ class NonFiniteGuard(TrainerCallback):
                       f"{self.last_finite_step}): training stopped, this step is not saved.", file=sys.stderr, flush=True)
             return
         self.last_finite_step = state.global_step
-        if gnorm == 0.0 and (not self.flat or self.flat[-1][1] == loss):
-            self.flat.append((state.global_step, loss))
-        else:
-            self.flat = [(state.global_step, loss)] if gnorm == 0.0 else []
+        # A zero gradient is the collapse itself (the loss then stays where it is, batch to batch).
+        self.flat = self.flat + [(state.global_step, loss)] if gnorm is not None and gnorm <= 1e-8 else []
         if len(self.flat) >= self.COLLAPSE_LOGS and not self.warned and state.is_world_process_zero:
             self.warned = True
-            print(f"WARNING: training has collapsed: grad norm 0 and loss flat at {loss} from step {self.flat[0][0]} to "
-                  f"{state.global_step}. Nothing is being learned; learning_rate={args.learning_rate} is likely far "
-                  "too high.", file=sys.stderr, flush=True)
+            losses = [x for _, x in self.flat]
+            print(f"WARNING: training has collapsed: grad norm 0 from step {self.flat[0][0]} to {state.global_step}, "
+                  f"loss {min(losses):.4g}..{max(losses):.4g}. Nothing is being learned; "
+                  f"learning_rate={args.learning_rate} is likely far too high.", file=sys.stderr, flush=True)
 
 
 class StopOnSignal(TrainerCallback):
