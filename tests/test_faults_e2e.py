@@ -152,7 +152,7 @@ def test_kill_9_of_the_launcher_leaves_a_log_and_no_orphan_ranks(tmp_path, tiny_
     finally:
         for pid in processes_of(run / "job.json"):
             os.kill(pid, signal.SIGKILL)
-    assert "launch: 2 process(es)" in (run / "train.log").read_text() or "'loss'" in (run / "train.log").read_text()
+    assert "'loss'" in (run / "train.log").read_text()  # written line by line, not lost in a buffer
 
 
 # ------------------------------------------------------------------------------------ item 11
