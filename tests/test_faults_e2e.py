@@ -106,6 +106,13 @@ def test_nan_stops_before_saving_names_the_step_and_exits_non_zero(tmp_path, tin
     assert json.loads((run / "train.json").read_text())["stopped"]["step"] == 4
 
 
+def test_collapse_warns_and_the_run_goes_on(tmp_path, tiny_model, data):
+    # lr 1e6 saturates the model after step 2: the grad norm reads 0 from step 3 on.
+    p = tl(*args(tiny_model, data, tmp_path / "run", "learning_rate=1e6", "max_steps=5", "save_steps=100"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "WARNING: training has collapsed: grad norm 0 from step 3 to 5" in p.stdout + p.stderr
+
+
 # ----------------------------------------------------------------------------- items 4, 9, 10
 def test_sigterm_saves_and_exits_0_and_a_second_run_is_refused(tmp_path, tiny_model, data):
     run = tmp_path / "run"
