@@ -289,3 +289,33 @@ def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, t
     real = fake_checkpoint(tmp_path / "run", 2)
     assert checkpoint_estimate(cfg, config) == (ck.size_of(real), "measured on checkpoint-2")
     assert "3 checkpoints" in check_disk(cfg, config)
+
+
+# ------------------------------------------------------------------- item 9: the grace period
+STUBBORN_PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    # A "rank" that ignores SIGTERM (a step that never ends), in its own session as torchrun starts them.
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
+                             start_new_session=True, stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()
+    print(child.pid, flush=True)
+    child.wait()
+""")
+
+
+def test_ranks_that_do_not_stop_within_the_grace_period_are_killed():
+    from tuneledger.launch import _child_pids, _Stopper
+
+    torchrun = subprocess.Popen([sys.executable, "-c", STUBBORN_PARENT], stdout=subprocess.PIPE, text=True)
+    rank = int(torchrun.stdout.readline())
+    assert _child_pids(torchrun.pid) == [rank]
+    stopper = _Stopper(torchrun, grace_s=1.0)
+    stopper.handle(signal.SIGTERM, None)  # as the launcher's handler: SIGTERM to the ranks, then the grace period
+    assert stopper.signal == "SIGTERM"
+    torchrun.wait(timeout=60)
+    stopper.timer.join(timeout=60)
+    assert stopper.killed
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{rank}").exists() and open(f"/proc/{rank}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the rank outlived the grace period"
+        time.sleep(0.05)
