@@ -74,7 +74,7 @@ def test_disk_too_small_for_the_checkpoints(tiny_model, tmp_path, monkeypatch):
     import tuneledger.preflight as pf
 
     monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
-    with pytest.raises(PreflightError, match="GB free; 3 checkpoints need"):
+    with pytest.raises(PreflightError, match="bytes free; 4 more checkpoints of"):
         run_checks(cfg_for(tiny_model, tmp_path), cuda=False)
 
 

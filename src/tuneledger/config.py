@@ -94,6 +94,10 @@ class JobConfig(BaseModel):
     dataloader_num_workers: int = 2
     ddp_timeout: int = 7200  # s; large, as in the field report, so a slow save never kills a rank
     resume_from_checkpoint: Literal["auto", "never"] | str = "auto"
+    resume_on_changed_data: bool = False  # true: resume although a data file's sha256 changed since the checkpoint
+    # SIGTERM/SIGINT: each rank finishes its step, rank 0 saves, exit 0, all within this many seconds
+    # (keep it below Kubernetes' terminationGracePeriodSeconds / Slurm's --signal lead time; docs/faults.md).
+    stop_grace_period_s: float = Field(120, gt=0)
     # -- dry-run
     dryrun_steps: int = 50
     dryrun_warmup_steps: int = Field(5, ge=0)  # optimizer steps excluded from the steady-state numbers

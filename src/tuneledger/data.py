@@ -436,20 +436,22 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns("reason")
     report = summarize(ds, total, invalid, cfg)
     report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-    # A folder of this process's own: the launchers of a multi-node job prepare the same data at
-    # once into one shared cache; the first to finish renames its copy into place.
+    # A folder of its own (two runs, or a multi-node job's launchers, may build the same key at
+    # once), renamed into place whole; the first to finish wins and the others drop their copy.
     import shutil
-    import socket
+    import tempfile
 
-    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    ds.save_to_disk(str(tmp))
-    (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{key}.tmp-"))
     try:
-        tmp.rename(path)
+        ds.save_to_disk(str(tmp))
+        (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
+        os.rename(tmp, path)  # atomic; fails if another process put its copy there first
     except OSError:
-        if not path.exists():
+        if not (path / "tuneledger.json").is_file():
             raise
-        shutil.rmtree(tmp)  # another process won the race; keep its copy
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, if another process won the race
     if progress:
         datasets.enable_progress_bars()
     return Prepared(path, with_batch(report, cfg), invalid, False)

@@ -54,10 +54,53 @@ RTOL = {"bf16": 0.25, "fp32": 1e-4}  # part 3 of the verification (module doc)
 MERGE_RTOL = 1e-3  # part 1: fp32 merged against fp32 base + adapter
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import os
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    return False  # EINVAL/ENOSYS: the filesystem cannot; the two-rename swap below is used
+
+
+def _recover(out: Path) -> None:
+    """Finish a swap that a kill interrupted: `<out>.old` without `out` is the whole previous
+    export (put back); beside `out` it is the replaced one (removed)."""
+    old = out.with_name(out.name + ".old")
+    if old.exists():
+        if out.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(out)
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Put the whole directory `new` at `out`, so that `out` always holds one whole version: an
+    atomic exchange where the kernel has one; else rename the old one aside, the new one in, and
+    only then delete the old one (a kill between the two renames is undone by _recover)."""
+    if not out.exists():
+        new.rename(out)
+        return
+    if _exchange(new, out):
+        shutil.rmtree(new)  # now the previous version
+        return
+    old = out.with_name(out.name + ".old")
+    out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old)
+
+
 @contextmanager
 def atomic_dir(out: Path) -> Iterator[Path]:
-    """Yields an empty `<out>.partial` to write into. On success it replaces `out` whole; on any
-    failure (an exception, Ctrl-C) it is removed and `out` stays as it was: nothing half-written."""
+    """Yields an empty `<out>.partial` to write into. On success it replaces `out` whole (swap_in);
+    on any failure (an exception, Ctrl-C) it is removed and `out` stays as it was."""
+    _recover(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -65,9 +108,7 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    swap_in(tmp, out)
 
 
 class ExportError(RuntimeError):

@@ -81,15 +81,50 @@ def checkpoint_bytes(cfg: JobConfig, config: dict) -> int:
     return per_layer * n_layers * 12
 
 
+def tokenizer_bytes(model: str) -> int:
+    """Bytes the tokenizer takes in every checkpoint, from a real save_pretrained into a temporary
+    folder (the Trainer saves it as a fast tokenizer: Qwen2.5's tokenizer.json alone is 11 MB)."""
+    import tempfile
+
+    from tuneledger.model import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer(model).save_pretrained(tmp)
+        return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+
+
+SMALL_FILES = 2**20  # trainer_state, scheduler, RNG states, README, configs: well under 1 MiB together
+
+
+def checkpoint_estimate(cfg: JobConfig, config: dict) -> tuple[int, str]:
+    """(bytes of one checkpoint, where the figure comes from). A sealed checkpoint of this run is a
+    real save and is used as is; otherwise LoRA weights + AdamW moments (checkpoint_bytes) plus a
+    real save of the tokenizer plus the small files."""
+    from tuneledger.checkpoints import scan, size_of
+
+    good, _ = scan(cfg.out_dir) if cfg.out_dir.is_dir() else (None, [])
+    if good:
+        return size_of(good), f"measured on {good.name}"
+    return checkpoint_bytes(cfg, config) + tokenizer_bytes(cfg.model_name_or_path) + SMALL_FILES, \
+        "LoRA weights + AdamW state + a real save of the tokenizer"
+
+
 def check_disk(cfg: JobConfig, config: dict) -> str:
-    need = checkpoint_bytes(cfg, config) * (cfg.save_total_limit or 10) * 1.1
+    """Room for save_total_limit + 1 checkpoints (the new one is written before the oldest is
+    rotated out), less those the run already holds. Raises PreflightError naming both figures."""
+    one, basis = checkpoint_estimate(cfg, config)
+    keep = cfg.save_total_limit or 10
+    have = len([p for p in cfg.out_dir.glob("checkpoint-*") if p.is_dir()]) if cfg.out_dir.is_dir() else 0
+    count = max(1, keep + 1 - have)
+    need = int(one * count * 1.1)
     out = cfg.out_dir
     probe = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     free = shutil.disk_usage(probe).free
     if free < need:
-        raise PreflightError(f"{probe} has {free / 1e9:.1f} GB free; {cfg.save_total_limit or 10} checkpoints need "
-                             f"~{need / 1e9:.1f} GB. Free space, lower save_total_limit, or set output_dir elsewhere")
-    return f"disk: {free / 1e9:.0f} GB free at {probe}, checkpoints need ~{need / 1e9:.2g} GB"
+        raise PreflightError(f"{probe} has {free:,} bytes free; {count} more checkpoints of {one:,} bytes ({basis}; "
+                             f"save_total_limit={keep} + 1 written before rotation) need {need:,} with 10% margin. "
+                             "Free space, lower save_total_limit, or set output_dir elsewhere")
+    return f"disk: {free / 1e9:.1f} GB free at {probe}, {count} checkpoints of {one / 1e6:.1f} MB need ~{need / 1e9:.2g} GB"
 
 
 def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
