@@ -233,7 +233,9 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
+        # transformers 5: a float in [0, 1) is a ratio of total steps, an int a count.
+        warmup_steps=cfg.warmup_steps or cfg.warmup_ratio,
+        weight_decay=cfg.weight_decay,
         num_train_epochs=cfg.num_train_epochs,
         max_steps=cfg.dryrun_steps if dryrun else cfg.max_steps,
         max_grad_norm=cfg.max_grad_norm,

@@ -1,0 +1,113 @@
+"""LLaMA-Factory configs run unchanged: real example yamls (tests/fixtures/llamafactory, Apache-2.0, see
+its NOTICE), every key classified, every problem reported at once, the generated keys table, and
+datasets by name through dataset_info.json."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tuneledger.config import ConfigError, load_config, resolve, suggest
+from tuneledger.data import DataError
+from tuneledger.llamafactory import classify, lf_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+LF = ROOT / "tests" / "fixtures" / "llamafactory"
+LORA, QLORA, EVAL = LF / "qwen3_lora_sft.yaml", LF / "qwen3_lora_sft_otfq.yaml", LF / "llama3_lora_sft.yaml"
+
+
+# ------------------------------------------------------------------------------------------ keys
+def test_keys_doc_is_generated_from_the_code():
+    from tuneledger.llamafactory import markdown_table
+
+    committed = (ROOT / "docs" / "llamafactory-keys.md").read_text()
+    assert committed == markdown_table(), "docs/llamafactory-keys.md is stale: run python scripts/llamafactory_keys.py docs"
+    for key in lf_keys():
+        assert f"| `{key}` |" in committed
+
+
+@pytest.mark.parametrize("path", [LORA, QLORA, EVAL])
+def test_example_yamls_load_unchanged_and_list_ignored_keys_once(path, capsys):
+    from tuneledger import config
+
+    config._ANNOUNCED.clear()
+    cfg = load_config(path)
+    load_config(path)  # a verb that builds the config twice lists the ignored keys once
+    err = capsys.readouterr().err
+    assert err.count("accepted and ignored") == 1
+    for key in ("stage: ", "do_train: ", "finetuning_type: ", "overwrite_output_dir: "):
+        assert f"\n  {key}" in err
+    # LLaMA-Factory's meanings: alpha 2 x rank when unset; global batch = micro x accumulation x world.
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target) == (8, 16, "all")
+    assert cfg.dataset == ["identity", "alpaca_en_demo"] and cfg.dataset_dir == "data"
+    assert cfg.resume_from_checkpoint == "auto" and cfg.plot_loss
+    r = resolve(cfg, 2)
+    assert (r.global_batch_size, r.gradient_accumulation_steps) == (16, 8)
+    assert cfg.quantization_bit == (4 if path == QLORA else None)
+
+
+def test_eval_keys_of_the_example_are_read():
+    cfg = load_config(EVAL)
+    assert (cfg.val_size, cfg.per_device_eval_batch_size, cfg.eval_strategy, cfg.eval_steps) == (0.1, 1, "steps", 500)
+    assert cfg.evaluates
+
+
+def test_quantization_bit_unset_is_bf16_lora(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model_name_or_path: m\ndataset: a.json\n")
+    cfg = load_config(f)
+    assert cfg.quantization_bit is None and cfg.bf16
+    assert load_config(ROOT / "configs" / "qwen2.5-7b-qlora.yaml").quantization_bit == 4
+
+
+def test_every_problem_is_reported_at_once_naming_line_and_alternative(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model_name_or_path: m\ndataset: a.json\nstage: dpo\ndeepspeed: ds_z3.json\nfinetuning_type: full\n"
+                 "lora_rnak: 8\ncutoff_len: -1\nuse_galore: true\ndo_train: true\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, ["per_device_eval_batchsize=2"])
+    msg = str(e.value)
+    assert msg.startswith(f"7 problems in {f}")
+    assert f"{f}:3: stage: 'dpo' is not supported: tuneledger does supervised fine-tuning only" in msg
+    assert f"{f}:4: deepspeed:" in msg and "pure DDP" in msg
+    assert f"{f}:5: finetuning_type: 'full'" in msg and "set finetuning_type: lora" in msg
+    assert f"{f}:6: unknown key 'lora_rnak'. Did you mean 'lora_rank'?" in msg
+    assert "cutoff_len: must be > 0" in msg
+    assert f"{f}:8: use_galore: True is not supported: another fine-tuning method" in msg
+    assert "command-line overrides: unknown key 'per_device_eval_batchsize'. Did you mean 'per_device_eval_batch_size'?" in msg
+    assert "do_train" not in msg
+
+
+def test_suggestions_are_close_and_never_cross_the_eval_train_split():
+    assert suggest("per_device_batch_size") == "per_device_train_batch_size"
+    assert suggest("per_device_eval_batchsize") == "per_device_eval_batch_size"
+    assert suggest("eval_step") == "eval_steps"
+    assert suggest("per_device_eval_size") != "per_device_train_batch_size"
+    assert suggest("train_eval_batch") in (None, "per_device_eval_batch_size")
+    assert suggest("zzz_unrelated") is None
+    for key in ("eval_batch_size", "eval_accumulation", "evaluation_batch"):
+        assert suggest(key) is None or "eval" in suggest(key)
+
+
+def test_lf_keys_classify_by_value():
+    assert classify("stage", "sft").status == "ignored" and classify("stage", "ppo").status == "refused"
+    assert classify("save_only_model", False).status == "ignored" and classify("save_only_model", True).status == "refused"
+    assert classify("quantization_method", "hqq").status == "refused"
+    assert classify("galore_rank", 16).status == "ignored"  # LLaMA-Factory's default: changes nothing
+    assert classify("galore_rank", 32).status == "refused"
+    assert classify("neat_packing", True).updates == {"packing": True}
+    assert classify("not_a_key_anywhere", 1) is None
+    cfg = load_config(None, ["model_name_or_path=m", "dataset=a.json", "flash_attn=disabled", "disable_gradient_checkpointing=true"])
+    assert cfg.flash_attn == "eager" and cfg.gradient_checkpointing is False
+
+
+def test_explicit_global_batch_still_wins_over_accumulation():
+    cfg = load_config(None, ["model_name_or_path=m", "dataset=a.json", "global_batch_size=16", "gradient_accumulation_steps=4"])
+    with pytest.raises(ConfigError, match="contradicts"):
+        resolve(cfg, 1)
+    assert resolve(cfg, 4).gradient_accumulation_steps == 4
