@@ -111,3 +111,94 @@ def test_explicit_global_batch_still_wins_over_accumulation():
     with pytest.raises(ConfigError, match="contradicts"):
         resolve(cfg, 1)
     assert resolve(cfg, 4).gradient_accumulation_steps == 4
+
+
+# -------------------------------------------------------------------------------- datasets by name
+def lf_data_dir(root: Path, n_alpaca: int = 20, n_identity: int = 6) -> Path:
+    """A LLaMA-Factory `data/` folder: its real dataset_info.json, and small files of the two demo
+    datasets' formats (identity.json with {{name}}/{{author}} as LLaMA-Factory ships it)."""
+    data = root / "data"
+    data.mkdir(parents=True)
+    shutil.copy(LF / "dataset_info.json", data / "dataset_info.json")
+    (data / "identity.json").write_text(json.dumps(
+        [{"instruction": f"hi {i}", "input": "", "output": f"I am {{{{name}}}}, made by {{{{author}}}} ({i})."}
+         for i in range(n_identity)]))
+    (data / "alpaca_en_demo.json").write_text(json.dumps(
+        [{"instruction": f"Add {i} and {i}.", "input": "" if i % 2 else "Be brief.", "output": f"{2 * i}."}
+         for i in range(n_alpaca)]))
+    return data
+
+
+def test_names_resolve_through_dataset_info(tmp_path):
+    from tuneledger.dataset_info import resolve_sources
+
+    data = lf_data_dir(tmp_path)
+    sources = resolve_sources(["identity", "alpaca_en_demo", str(data / "identity.json")], data, str(tmp_path / "c"))
+    assert [s.files for s in sources] == [[data / "identity.json"], [data / "alpaca_en_demo.json"], [data / "identity.json"]]
+    assert sources[0].formatting == "alpaca" and sources[2].formatting is None  # a path is read as it is
+    with pytest.raises(DataError, match="dataset 'alpaca_en_dem' is neither a file nor a name in .*dataset_info.json; "
+                                        "close names there: alpaca_en_demo"):
+        resolve_sources(["alpaca_en_dem"], data, str(tmp_path / "c"))
+    with pytest.raises(DataError, match="mllm_demo': columns \\['images'\\] .* not supported"):
+        resolve_sources(["mllm_demo"], data, str(tmp_path / "c"))
+    with pytest.raises(DataError, match="dpo_en_demo': ranking is not supported"):
+        resolve_sources(["dpo_en_demo"], data, str(tmp_path / "c"))
+    with pytest.raises(DataError, match="nowhere/dataset_info.json not found"):
+        resolve_sources(["identity"], tmp_path / "nowhere", str(tmp_path / "c"))
+
+
+def test_columns_and_sharegpt_tags_rename_into_conversations(tmp_path):
+    from tuneledger.data import Invalid, to_messages
+    from tuneledger.dataset_info import resolve_sources
+
+    (tmp_path / "qa.jsonl").write_text('{"question": "2+2?", "answer": "4", "sys": "Be terse."}\n{"question": "x"}\n')
+    (tmp_path / "chat.json").write_text(json.dumps([
+        {"msgs": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]},
+        {"msgs": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]}]))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "qa": {"file_name": "qa.jsonl", "columns": {"prompt": "question", "response": "answer", "system": "sys"}},
+        "chat": {"file_name": "chat.json", "formatting": "sharegpt", "columns": {"messages": "msgs"},
+                 "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "bot",
+                          "observation_tag": "tool"}}}))
+    qa, chat = resolve_sources(["qa", "chat"], tmp_path, str(tmp_path / "c"))
+    assert to_messages(qa.convert({"question": "2+2?", "answer": "4", "sys": "Be terse."}, "w"), "w") == [
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    bad = qa.convert({"question": "x"}, "qa.jsonl:2")
+    assert isinstance(bad, Invalid) and bad.field == "answer" and bad.kind == "missing field"
+    assert to_messages(chat.convert({"msgs": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}, "w"),
+                       "w") == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    tool = chat.convert({"msgs": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]}, "chat.json#1")
+    assert isinstance(tool, Invalid) and tool.field == "msgs[1].role" and "tool-call data is not supported" in tool.reason
+    # A canonical field's error names the user's column.
+    empty = to_messages(qa.convert({"question": "q", "answer": " "}, "w"), "w")
+    assert qa.field_name(empty.field) == "answer"
+
+
+def test_prepare_reads_names_and_caps_each_dataset(tmp_path, qwen_tokenizer):
+    from tuneledger.data import prepare
+
+    data = lf_data_dir(tmp_path)
+    cfg = load_config(None, ["model_name_or_path=m", "dataset=identity,alpaca_en_demo", f"dataset_dir={data}",
+                             f"cache_dir={tmp_path / 'cache'}", "max_samples=5", "placeholders.name=Ledgerly",
+                             "placeholders.author=us"])
+    prep = prepare(cfg, qwen_tokenizer, progress=False)
+    # max_samples caps each dataset, as in LLaMA-Factory: 5 + 5.
+    assert prep.report["records"] == {"total": 10, "valid": 10, "invalid": 0, "invalid_by_reason": {}}
+    # Another column mapping is another cache entry.
+    info = json.loads((data / "dataset_info.json").read_text())
+    info["alpaca_en_demo"]["columns"] = {"query": "nothing"}
+    (data / "dataset_info.json").write_text(json.dumps(info))
+    assert prepare(cfg, qwen_tokenizer, progress=False).path != prep.path
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])
+def test_hub_dataset_offline_fails_at_once(tmp_path, monkeypatch, env):
+    from tuneledger.dataset_info import resolve_sources
+
+    data = lf_data_dir(tmp_path)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match="'alpaca_en': hub dataset llamafactory/alpaca_en cannot be .*give the entry a file_name"):
+        resolve_sources(["alpaca_en"], data, str(tmp_path / "c"))
+    assert time.monotonic() - t0 < 60  # no retry loop: a refused connection answers at once
