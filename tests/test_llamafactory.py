@@ -202,3 +202,81 @@ def test_hub_dataset_offline_fails_at_once(tmp_path, monkeypatch, env):
     with pytest.raises(DataError, match="'alpaca_en': hub dataset llamafactory/alpaca_en cannot be .*give the entry a file_name"):
         resolve_sources(["alpaca_en"], data, str(tmp_path / "c"))
     assert time.monotonic() - t0 < 60  # no retry loop: a refused connection answers at once
+
+
+# ------------------------------------------------------------------ the example yamls, run unchanged
+def tl(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=1200)
+
+
+def lf_run(tmp_path: Path, tiny_model: Path, yaml: Path, *extra: str, verb: str = "train") -> subprocess.CompletedProcess:
+    """`tuneledger <verb> <yaml unchanged>` in a folder laid out as LLaMA-Factory's (data/ beside the
+    run), pointed at the tiny model; identity.json's placeholders filled on the command line."""
+    if not (tmp_path / "data").exists():
+        lf_data_dir(tmp_path)
+    return tl(tmp_path, verb, str(yaml), f"model_name_or_path={tiny_model}", f"cache_dir={tmp_path / 'cache'}",
+              "placeholders.name=Ledgerly", "placeholders.author=us", "--cpu", *extra)
+
+
+@pytest.mark.e2e
+def test_lora_sft_example_trains_on_cpu(tmp_path, tiny_model):
+    p = lf_run(tmp_path, tiny_model, LORA, "max_steps=2", "logging_steps=1", "--nproc", "1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "LLaMA-Factory key(s) accepted and ignored" in p.stderr and "\n  overwrite_output_dir: " in p.stderr
+    out = tmp_path / "saves" / "qwen3-4b" / "lora" / "sft"  # the yaml's output_dir
+    result = json.loads((out / "train.json").read_text())
+    assert result["global_step"] == 2
+    assert result["config"]["global_batch_size"] == 8 and result["config"]["lora_alpha"] == 16  # 1 x 8 x 1 rank
+    assert result["config"]["quantization_bit"] is None and result["report_to"] == "none"
+    assert (out / "training_loss.png").stat().st_size > 0  # plot_loss: true
+
+
+@pytest.mark.e2e
+def test_qlora_example_on_cpu_is_refused_before_loading(tmp_path, tiny_model):
+    """A QLoRA config needs bitsandbytes on CUDA: on a CPU it stops in preflight, saying how to run it."""
+    p = lf_run(tmp_path, tiny_model, QLORA, "max_steps=1", "--nproc", "1")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "quantization_bit=4 needs a CUDA GPU" in p.stderr and "quantization_bit=null" in p.stderr
+    assert not (tmp_path / "saves" / "qwen3-4b" / "lora" / "sft" / "train.json").exists()
+
+
+@pytest.mark.e2e
+def test_eval_example_evaluates_on_every_rank_and_picks_the_best(tmp_path, tiny_model):
+    from tuneledger.export import find_checkpoint
+
+    p = lf_run(tmp_path, tiny_model, EVAL, "max_steps=4", "eval_steps=2", "save_steps=2", "--nproc", "2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = tmp_path / "saves" / "llama3-8b" / "lora" / "sft"
+    result = json.loads((out / "train.json").read_text())
+    # val_size 0.1 of 26 records: ceil(2.6) = 3 held out, by seed.
+    assert result["eval_records"] == 3 and "3 records held out for evaluation" in p.stdout
+    assert [e["step"] for e in result["eval"]] == [2, 4]
+    assert all(r["eval_batches"] > 0 for r in result["ranks"]) and len(result["ranks"]) == 2  # DDP: both ranks evaluate
+    best = min(result["eval"], key=lambda e: e["eval_loss"])
+    assert result["best_checkpoint"] == str(out / f"checkpoint-{best['step']}")
+    assert find_checkpoint(out / "checkpoint-best") == out / f"checkpoint-{best['step']}"  # make export CHECKPOINT=best
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for d in (out / "tensorboard").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(d.parent))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert "eval/loss" in tags and "train/loss" in tags
+    assert (out / "training_loss.png").stat().st_size > 0
+
+
+@pytest.mark.e2e
+def test_dryrun_eta_counts_evaluation_and_draws_the_comparison(tmp_path, tiny_model):
+    p = lf_run(tmp_path, tiny_model, EVAL, "dryrun_steps=3", "dryrun_warmup_steps=1", "eval_steps=1", "output_dir=dr",
+               "--preset", "A", "--nproc", "1", verb="dryrun")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    led = json.loads((tmp_path / "dr" / "dryrun.json").read_text())
+    row = led["presets"][0]
+    eta = row["eta"]
+    assert eta["evaluations"] == eta["total_steps"] // 1 and eta["eval_s"] > 0
+    assert abs(eta["total_s"] - (eta["train_s"] + eta["save_s"] + eta["eval_s"])) < 1e-6
+    assert (tmp_path / "dr" / "dryrun.png").stat().st_size > 0 and led["comparison_plot"].endswith("dryrun.png")
+    assert row["memory_mib"][0]["peak_rss"] > 0  # CPU runs draw their RAM against the 24 GB line

@@ -162,6 +162,13 @@ class JobConfig(BaseModel):
                              f"({self.dryrun_steps}): nothing would be left to measure")
         return self
 
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "JobConfig":
+        if self.val_size and self.eval_dataset:
+            raise ValueError(f"val_size ({self.val_size}) and eval_dataset ({','.join(self.eval_dataset)}) both set: "
+                             "evaluate on a held-out share of dataset (val_size) or on eval_dataset, not both")
+        return self
+
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir or f"runs/{self.run_name}")

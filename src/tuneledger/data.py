@@ -403,10 +403,23 @@ def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:
     }
 
 
+def holdout_count(n: int, val_size: float) -> int:
+    """Records held out for evaluation from `n`: ceil(val_size x n) for a fraction (< 1), val_size
+    itself for a count (>= 1), as datasets' train_test_split counts them. Never more than n."""
+    import math
+
+    if not val_size:
+        return 0
+    return min(n, math.ceil(val_size * n) if val_size < 1 else int(val_size))
+
+
 def with_batch(report: dict, cfg: Any) -> dict:
-    """The report plus what depends on the batch, not on the data (so not cached with it):
-    steps_per_epoch = ceil(valid / global batch), and the mean trained tokens per step."""
+    """The report plus what depends on the batch and the held-out share, not on the data (so not
+    cached with it): train_records = valid - held out (val_size), steps_per_epoch =
+    ceil(train_records / global batch), and the mean trained tokens per step."""
     valid, gb = report["records"]["valid"], cfg.global_batch_size
-    steps = -(-valid // gb) if valid else 0
-    return {**report, "global_batch_size": gb, "steps_per_epoch": steps,
-            "tokens_per_step": round(report["tokens"]["trained"] / steps, 1) if steps else 0.0}
+    held = holdout_count(valid, getattr(cfg, "val_size", 0))
+    train = valid - held
+    steps = -(-train // gb) if train else 0
+    return {**report, "global_batch_size": gb, "steps_per_epoch": steps, "eval_records": held, "train_records": train,
+            "tokens_per_step": round(report["tokens"]["trained"] * train / valid / steps, 1) if steps else 0.0}

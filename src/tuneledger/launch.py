@@ -46,6 +46,21 @@ def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
+def best_checkpoint(out_dir: Path) -> tuple[str, float] | None:
+    """(path, eval loss) of the complete checkpoint-N with the lowest eval loss, or None when no
+    checkpoint was evaluated. The losses are the newest checkpoint's log history (an eval at step N
+    runs before the save at step N, so it is in checkpoint-N's state)."""
+    newest = last_checkpoint(out_dir)
+    if not newest:
+        return None
+    history = json.loads((Path(newest) / "trainer_state.json").read_text()).get("log_history", [])
+    losses = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
+    done = {int(p.name.split("-")[-1]): p for p in Path(out_dir).glob("checkpoint-*")
+            if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()}
+    scored = sorted((losses[step], step) for step in done if step in losses)
+    return (str(done[scored[0][1]]), scored[0][0]) if scored else None
+
+
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None) -> int:
     """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
 

@@ -24,6 +24,9 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     rec = prep.report["records"]
     if rec["valid"] == 0:
         return f"no valid record in {', '.join(cfg.dataset)} ({rec['invalid']} invalid)"
+    if cfg.val_size and prep.report.get("train_records", 1) <= 0:
+        return (f"val_size={cfg.val_size:g} holds out all {rec['valid']} valid records of {', '.join(cfg.dataset)}: "
+                "nothing is left to train on; lower val_size")
     if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
         return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
                 f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
@@ -49,6 +52,19 @@ def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
     problem = gate(prep, cfg)
     if problem:
         raise DataError(problem)
+    return prep
+
+
+def prepare_eval(cfg: JobConfig) -> Prepared | None:
+    """The tokenized eval_dataset (same template, cutoff and placeholders as the training data), or
+    None without one. Raises DataError when it has no valid record."""
+    if not cfg.eval_dataset or cfg.eval_strategy == "no":
+        return None
+    ev = cfg.model_copy(update={"dataset": cfg.eval_dataset, "eval_dataset": None})
+    prep = load_prepared(ev)
+    if not prep.report["records"]["valid"]:
+        raise DataError(f"eval_dataset {', '.join(cfg.eval_dataset)}: no valid record ({prep.report['records']['invalid']} invalid)")
+    print(f"eval data: {prep.report['records']['valid']:,} records of {', '.join(cfg.eval_dataset)}")
     return prep
 
 

@@ -21,7 +21,7 @@ from tuneledger.launch import last_checkpoint, processes, run_workers
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError
 from tuneledger.data import DataError
-from tuneledger.stats import prepare_for_training
+from tuneledger.stats import prepare_eval, prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         prep = prepare_for_training(cfg, cpu)
+        eval_prep = prepare_eval(cfg)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
@@ -53,11 +54,18 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"resuming from {resume} (step {state['global_step']})")
     steps = total_steps(prep.report, cfg)
+    held = prep.report.get("eval_records", 0)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
-          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
+          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}"
+          + (f"; {held:,} records held out for evaluation (val_size={cfg.val_size:g}, seed {cfg.seed})" if held else ""))
+    if cfg.evaluates:
+        every = "each epoch" if cfg.eval_strategy == "epoch" else f"every {cfg.eval_steps or cfg.save_steps} steps"
+        print(f"evaluation {every}, micro-batch {cfg.per_device_eval_batch_size}; the best checkpoint is the one with "
+              "the lowest eval loss (make export RUN=... CHECKPOINT=best)")
     print(describe(cfg, nproc), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
-           "result_path": str(out / "train.json"), "cpu": cpu}
+           "result_path": str(out / "train.json"), "cpu": cpu,
+           "eval_data_path": str(eval_prep.path) if eval_prep else None}
     # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
     sampler = None
     if not cpu:
@@ -86,6 +94,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"done: {result['global_step']} steps, mean logged loss {result['train_loss']:.4f} (last "
           f"{result['last_logged_loss']}), last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
+    if result.get("eval"):
+        last = result["eval"][-1]
+        print(f"eval loss {last['eval_loss']:.4f} at step {last['step']} ({len(result['eval'])} evaluations of "
+              f"{result['eval_records']:,} records); best checkpoint {result['best_checkpoint'] or '- (no checkpoint at an eval step)'}"
+              + (f", eval loss {result['best_eval_loss']:.4f}" if result["best_checkpoint"] else ""))
+    if cfg.plot_loss and (out / "training_loss.png").is_file():
+        print(f"loss plot: {out / 'training_loss.png'}")
     return 0
 
 
