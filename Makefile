@@ -55,7 +55,7 @@ OVERRIDES := model_name_or_path=$(MODEL) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
 
-.PHONY: help venv stats dryrun train export test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train export chat eval test clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -113,6 +113,15 @@ EXPORT_OUT = $(or $(OUT),runs/$(EXPORT_RUN)/export)
 export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N, CHECKPOINT=best: lowest eval loss) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
 	$(TL) export --adapter runs/$(EXPORT_RUN)$(if $(CHECKPOINT),/checkpoint-$(CHECKPOINT)) $(if $(OUT),--out $(OUT))
 	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT) $(QUANT_ARGS))
+
+# Try the result: RUN's export if there is one, else its base + newest adapter (CHECKPOINT=N|best).
+# PROMPT="..." answers once; without it, a conversation in the terminal.
+chat: $(ENV_DEP) ## chat with RUN (its export, or base + adapter; CHECKPOINT=N|best, PROMPT="..." for one answer)
+	$(TL) chat $(EXPORT_RUN) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(PROMPT),--prompt "$(PROMPT)")
+
+eval: $(ENV_DEP) ## loss/perplexity of RUN on DATASET=heldout.json (CHECKPOINT=N|best); one line + runs/<run>/eval-*.json
+	@test -n "$(DATASET)" || { echo "usage: make eval RUN=<run> DATASET=heldout.json"; exit 2; }
+	$(TL) eval $(EXPORT_RUN) --dataset $(DATASET) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
 # The INT4 step (tuneledger quantize) has its own environment: llm-compressor needs torch >= 2.10,
 # the trainer's image and .venv hold torch 2.5.1. In the `quantize` container (Dockerfile.quant) by

@@ -15,7 +15,7 @@ import sys
 from tuneledger import __version__
 
 # Module names under tuneledger/, in the order `--help` lists them.
-VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "quantize", "monitor", "gpus"]
+VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "quantize", "chat", "evaluate", "monitor", "gpus"]
 
 
 def build_parser() -> argparse.ArgumentParser:
