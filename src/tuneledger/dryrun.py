@@ -274,6 +274,11 @@ def print_table(led: dict) -> None:
 def plan(items: list[str], names: list[str], nproc: int) -> list[tuple[str, JobConfig | ConfigError]]:
     """Each preset's resolved config, or the config error that rules it out at this world size."""
     out: list[tuple[str, JobConfig | ConfigError]] = []
+    base = from_cli(items)
+    if base.gradient_accumulation_steps and "global_batch_size" not in base.model_fields_set:
+        # A LLaMA-Factory config gives the accumulation: its global batch is fixed from the config's own
+        # micro-batch, so the presets (other micro-batches) are compared at the same global batch.
+        items = [*items, f"global_batch_size={resolve(base, nproc).global_batch_size}", "gradient_accumulation_steps=null"]
     for name in names:
         try:
             out.append((name, resolve(preset_config(items, name), nproc)))

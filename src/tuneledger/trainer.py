@@ -169,7 +169,7 @@ class TokenSnapshot(TrainerCallback):
 RESUME_KEYS = ("model_name_or_path", "dataset", "template", "default_system", "cutoff_len", "placeholders",
                "max_samples", "quantization_bit", "quantization_type", "double_quantization", "lora_rank",
                "lora_alpha", "lora_dropout", "lora_target", "global_batch_size", "learning_rate",
-               "lr_scheduler_type", "warmup_ratio", "seed")
+               "lr_scheduler_type", "warmup_ratio", "seed", "val_size")
 CONFIG_IN_CHECKPOINT = "tuneledger_config.json"
 
 
