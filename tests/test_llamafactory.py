@@ -280,3 +280,25 @@ def test_dryrun_eta_counts_evaluation_and_draws_the_comparison(tmp_path, tiny_mo
     assert abs(eta["total_s"] - (eta["train_s"] + eta["save_s"] + eta["eval_s"])) < 1e-6
     assert (tmp_path / "dr" / "dryrun.png").stat().st_size > 0 and led["comparison_plot"].endswith("dryrun.png")
     assert row["memory_mib"][0]["peak_rss"] > 0  # CPU runs draw their RAM against the 24 GB line
+
+
+def test_val_size_holds_out_by_seed_and_shrinks_the_steps():
+    import datasets
+
+    from tuneledger.data import holdout_count, with_batch
+    from tuneledger.trainer import split_eval
+
+    assert [holdout_count(26, v) for v in (0, 0.1, 0.5, 5, 40)] == [0, 3, 13, 5, 26]
+    cfg = load_config(None, ["model_name_or_path=m", "dataset=a.json", "val_size=0.1", "global_batch_size=4"])
+    report = {"records": {"valid": 26}, "tokens": {"trained": 2600}}
+    b = with_batch(report, cfg)
+    assert (b["eval_records"], b["train_records"], b["steps_per_epoch"]) == (3, 23, 6)
+    ds = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(26)], "labels": [[i] for i in range(26)]})
+    train, ev = split_eval(ds, cfg)
+    train2, ev2 = split_eval(ds, cfg)
+    assert len(ev) == 3 and len(train) == 23 and ev["input_ids"] == ev2["input_ids"]  # the same on every rank
+    assert not set(map(tuple, ev["input_ids"])) & set(map(tuple, train["input_ids"]))
+    with pytest.raises(ConfigError, match="val_size .* and eval_dataset .* both set"):
+        load_config(None, ["model_name_or_path=m", "dataset=a.json", "val_size=0.1", "eval_dataset=b.json"])
+    with pytest.raises(ConfigError, match="val_size: a count"):
+        load_config(None, ["model_name_or_path=m", "dataset=a.json", "val_size=2.5"])

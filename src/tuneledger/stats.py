@@ -87,6 +87,8 @@ def render(prep: Prepared, cfg: JobConfig) -> None:
     t.add_row("length mean / median / p95 / max", f"{ln['mean']:,} / {ln['median']:,.0f} / {ln['p95']:,.0f} / {ln['max']:,}")
     t.add_row(f"records over cutoff_len ({r['cutoff_len']}, truncated)", f"{r['over_cutoff']:,}")
     t.add_row("records with 0 supervised tokens (left out)", f"{r['zero_supervised']:,}")
+    if r.get("eval_records"):
+        t.add_row(f"held out for evaluation (val_size={cfg.val_size:g}, seed {cfg.seed})", f"{r['eval_records']:,}")
     t.add_row(f"steps per epoch (global batch {r['global_batch_size']})", f"{r['steps_per_epoch']:,}")
     t.add_row("mean tokens per step", f"{r['tokens_per_step']:,.0f}")
     t.add_row("cache", f"{prep.path}{' (hit)' if prep.from_cache else ''}")
