@@ -79,7 +79,7 @@ OVERRIDES := $(MODEL_OVERRIDE) \
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train export test test-slow test-all clean-cache monitor fetch image host-dirs compose-check lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train export chat eval test test-slow test-all clean-cache monitor fetch image host-dirs compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -153,9 +153,18 @@ train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkp
 # The run to export: RUN, else the config's run_name.
 EXPORT_RUN = $(or $(RUN),$(shell sed -n 's/^run_name:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) | head -1))
 EXPORT_OUT = $(or $(OUT),runs/$(EXPORT_RUN)/export)
-export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
+export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N, CHECKPOINT=best: lowest eval loss) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
 	$(TL) export --adapter runs/$(EXPORT_RUN)$(if $(CHECKPOINT),/checkpoint-$(CHECKPOINT)) $(if $(OUT),--out $(OUT))
 	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT) $(QUANT_ARGS))
+
+# Try the result: RUN's export if there is one, else its base + newest adapter (CHECKPOINT=N|best).
+# PROMPT="..." answers once; without it, a conversation in the terminal.
+chat: $(ENV_DEP) ## chat with RUN (its export, or base + adapter; CHECKPOINT=N|best, PROMPT="..." for one answer)
+	$(TL) chat $(EXPORT_RUN) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(PROMPT),--prompt "$(PROMPT)")
+
+eval: $(ENV_DEP) ## loss/perplexity of RUN on DATASET=heldout.json (CHECKPOINT=N|best); one line + runs/<run>/eval-*.json
+	@test -n "$(DATASET)" || { echo "usage: make eval RUN=<run> DATASET=heldout.json"; exit 2; }
+	$(TL) eval $(EXPORT_RUN) --dataset $(DATASET) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
 # The INT4 step (tuneledger quantize) has its own environment: llm-compressor needs torch >= 2.10,
 # the trainer's image and .venv hold torch 2.5.1. In the `quantize` container (Dockerfile.quant) by

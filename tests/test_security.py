@@ -110,10 +110,19 @@ def test_single_node_rendezvous_and_ranks_listen_on_loopback_only(tmp_path):
 
 
 # ---------------------------------------------------------------------------- remote code
-def test_trust_remote_code_is_refused_with_the_reason():
-    from tuneledger.config import ConfigError, load_config
+def test_trust_remote_code_is_accepted_but_model_code_never_runs(tmp_path):
+    """LLaMA-Factory configs carry trust_remote_code: true; it is accepted and said to have no
+    effect, and a model that ships its own code (auto_map) is refused, whatever the flag."""
+    from tuneledger.config import load_config
+    from tuneledger.model import PreflightError, check_remote_code
 
     base = {"model_name_or_path": "m", "dataset": ["x.json"]}
-    with pytest.raises(ConfigError, match="trust_remote_code: .*true is refused: it would run Python code shipped with the model"):
-        load_config(None, {**base, "trust_remote_code": True})
-    assert load_config(None, {**base, "trust_remote_code": False}).trust_remote_code is False
+    assert load_config(None, {**base, "trust_remote_code": True}).trust_remote_code is True
+    builtin = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    assert "has no effect" in check_remote_code(builtin, "m", True)
+    assert "none" in check_remote_code(builtin, "m", False)
+    custom = {**builtin, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}
+    for trust in (True, False):
+        with pytest.raises(PreflightError, match=r"ships its own Python code .*AutoModelForCausalLM"):
+            check_remote_code(custom, "m", trust)
+

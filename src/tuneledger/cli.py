@@ -15,7 +15,7 @@ import sys
 from tuneledger import __version__
 
 # Module names under tuneledger/, in the order `--help` lists them (a package's verb is its .cli).
-VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "quantize", "monitor.cli", "gpus"]
+VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "quantize", "chat", "evaluate", "monitor.cli", "gpus"]
 
 
 def build_parser() -> argparse.ArgumentParser:

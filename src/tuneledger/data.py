@@ -318,6 +318,18 @@ def encode(messages: list[dict], tokenizer: Any, cutoff_len: int, default_system
 
 
 # ---------------------------------------------------------------------------------------- cache
+# LLaMA-Factory template names whose format is ChatML (<|im_start|>role ... <|im_end|>).
+CHATML_TEMPLATES = ("qwen", "qwen2", "qwen3", "qwen3_nothink", "qwen2_vl", "qwen2_audio", "qwen2_omni", "qwen3_vl",
+                    "chatml", "chatml_de", "smollm", "smollm2")
+
+
+def is_chatml_name(template: str) -> bool:
+    """True for a template name that promises ChatML (checked against the tokenizer's template).
+    Every template renders with the tokenizer's own chat template; "tokenizer" and other names
+    (llama3, mistral, ...) take it without a check."""
+    return template in CHATML_TEMPLATES
+
+
 def file_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -382,20 +394,19 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     """
     import datasets
 
-    files = [Path(p) for p in cfg.dataset]
-    for f in files:
-        if f.is_dir():
-            raise DataError(f"dataset {f} is a directory; list its .json/.jsonl files (dataset: a.json,b.jsonl)")
-        if not f.is_file():
-            raise DataError(f"dataset file {f} not found (dataset: {', '.join(cfg.dataset)})")
-    if cfg.template == "qwen" and "<|im_start|>" not in (tokenizer.chat_template or ""):
-        raise DataError(f"template: qwen expects a ChatML chat template (<|im_start|>...<|im_end|>), and the tokenizer of "
-                        f"{cfg.model_name_or_path} has another; set template=tokenizer to render with it as it is")
+    from tuneledger.dataset_info import resolve_sources
+
+    sources = resolve_sources(cfg.dataset, cfg.dataset_dir, cfg.cache_dir)
+    if is_chatml_name(cfg.template) and "<|im_start|>" not in (tokenizer.chat_template or ""):
+        raise DataError(f"template: {cfg.template} expects a ChatML chat template (<|im_start|>...<|im_end|>), and the "
+                        f"tokenizer of {cfg.model_name_or_path} has another; set template=tokenizer to render with it as it is")
+    hashes = {str(f): file_sha256(f) for s in sources for f in s.files}
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    key = cache_key(list(hashes.values()), tok_fp, "chatml" if is_chatml_name(cfg.template) else "tokenizer", cfg.cutoff_len,
+                    {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples,
+                     "sources": [s.spec() for s in sources]})
     if cfg.default_system and bad_text(cfg.default_system):
         raise DataError(f"default_system: {bad_text(cfg.default_system)}")
-    hashes, tok_fp = {str(f): file_sha256(f) for f in files}, tokenizer_fingerprint(tokenizer)
-    key = cache_key(list(hashes.values()), tok_fp, cfg.template, cfg.cutoff_len,
-                    {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples})
     path = Path(cfg.cache_dir) / key
     meta = path / "tuneledger.json"
     if meta.is_file():
@@ -405,13 +416,16 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     rows: dict[str, list] = {"messages": [], "where": []}
     invalid: list[Invalid] = []
     total = 0
-    for f in files:
-        for where, obj in read_records(f):
-            if cfg.max_samples is not None and total >= cfg.max_samples:
+    for src in sources:
+        taken = 0  # max_samples caps each dataset, as in LLaMA-Factory
+        for where, obj in (rec for f in src.files for rec in read_records(f)):
+            if cfg.max_samples is not None and taken >= cfg.max_samples:
                 break
             total += 1
-            msgs = to_messages(obj, where, cfg.placeholders)
+            taken += 1
+            msgs = to_messages(src.convert(obj, where), where, cfg.placeholders)
             if isinstance(msgs, Invalid):
+                msgs.field = src.field_name(msgs.field)
                 invalid.append(msgs)
             else:
                 rows["messages"].append(msgs)
@@ -487,10 +501,23 @@ def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:
     }
 
 
+def holdout_count(n: int, val_size: float) -> int:
+    """Records held out for evaluation from `n`: ceil(val_size x n) for a fraction (< 1), val_size
+    itself for a count (>= 1), as datasets' train_test_split counts them. Never more than n."""
+    import math
+
+    if not val_size:
+        return 0
+    return min(n, math.ceil(val_size * n) if val_size < 1 else int(val_size))
+
+
 def with_batch(report: dict, cfg: Any) -> dict:
-    """The report plus what depends on the batch, not on the data (so not cached with it):
-    steps_per_epoch = ceil(valid / global batch), and the mean trained tokens per step."""
+    """The report plus what depends on the batch and the held-out share, not on the data (so not
+    cached with it): train_records = valid - held out (val_size), steps_per_epoch =
+    ceil(train_records / global batch), and the mean trained tokens per step."""
     valid, gb = report["records"]["valid"], cfg.global_batch_size
-    steps = -(-valid // gb) if valid else 0
-    return {**report, "global_batch_size": gb, "steps_per_epoch": steps,
-            "tokens_per_step": round(report["tokens"]["trained"] / steps, 1) if steps else 0.0}
+    held = holdout_count(valid, getattr(cfg, "val_size", 0))
+    train = valid - held
+    steps = -(-train // gb) if train else 0
+    return {**report, "global_batch_size": gb, "steps_per_epoch": steps, "eval_records": held, "train_records": train,
+            "tokens_per_step": round(report["tokens"]["trained"] * train / valid / steps, 1) if steps else 0.0}

@@ -29,7 +29,7 @@ from tuneledger.model import PreflightError, locate_model
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data import DataError
-from tuneledger.stats import prepare_for_training, run_data_hash
+from tuneledger.stats import prepare_eval, prepare_for_training, run_data_hash
 
 
 
@@ -73,7 +73,8 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 
 
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
-            cap_gib: float | None = None, nodes: Nodes = Nodes(), progress: dict | None = None
+            cap_gib: float | None = None, nodes: Nodes = Nodes(), progress: dict | None = None,
+            eval_path: Path | None = None
             ) -> tuple[int, dict | None, bool]:
     """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
 
@@ -89,7 +90,7 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     if cap_gib:
         cfg = cfg.model_copy(update={"memory_cap_gib": cap_gib})
     job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
-           "result_path": str(run_dir / "result.json"), "cpu": cpu,
+           "result_path": str(run_dir / "result.json"), "cpu": cpu, "eval_data_path": str(eval_path) if eval_path else None,
            "progress": {**(progress or {}), "started_wall": datetime.now(timezone.utc).timestamp()}}
     job_path = run_dir / "job.json" if nodes.first else out_root / "dryrun" / f"job-{name}{nodes.suffix()}.json"
     rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}")
@@ -136,7 +137,12 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
     s = ledger.summarize_run(result, cfg.dryrun_warmup_steps)
     model = result["model"]
     save_s = result["save_s"][0] if result["save_s"] else 0.0
-    e = ledger.eta(ledger.total_steps(stats, cfg), s["s_per_step"], cfg.save_steps, save_s)
+    steps = ledger.total_steps(stats, cfg)
+    # One evaluation = the measured seconds per eval record x every eval record.
+    timing = result.get("eval_timing")
+    eval_s = timing["s_per_record"] * timing["eval_records"] if timing else 0.0
+    e = ledger.eta(steps, s["s_per_step"], cfg.save_steps, save_s,
+                   ledger.evaluations(steps, cfg, stats["steps_per_epoch"]) if timing else 0, eval_s)
     peak = result.get("peak_tflops")
     u = ledger.mfu(s["tokens_per_s"], model["matmul_params"], cfg.gradient_checkpointing, world, peak * 1e12 if peak else None)
     return {
@@ -220,6 +226,8 @@ def markdown(led: dict) -> str:
         imb = [r["preset"] for r in rows if (r.get("gpu_window") or {}).get("imbalance")]
         if imb:
             lines.append(f"\nImbalance between GPUs (utilisation spread above the threshold) in: {', '.join(imb)}.")
+    if led.get("comparison_plot"):
+        lines += ["", f"![tokens/s (p10-p90) and peak memory against a 24 GB card]({Path(led['comparison_plot']).name})"]
     if led.get("plot"):
         lines += ["", f"![GPU utilisation, memory, power and temperature]({Path(led['plot']).name})"]
     if led.get("verdicts"):
@@ -319,6 +327,11 @@ def print_table(led: dict) -> None:
 def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobConfig | ConfigError]]:
     """Each preset's resolved config, or the config error that rules it out at this world size."""
     out: list[tuple[str, JobConfig | ConfigError]] = []
+    base = from_cli(items)
+    if base.gradient_accumulation_steps and "global_batch_size" not in base.model_fields_set:
+        # A LLaMA-Factory config gives the accumulation: its global batch is fixed from the config's own
+        # micro-batch, so the presets (other micro-batches) are compared at the same global batch.
+        items = [*items, f"global_batch_size={resolve(base, nproc).global_batch_size}", "gradient_accumulation_steps=null"]
     for name in names:
         try:
             out.append((name, resolve(preset_config(items, name), world)))
@@ -329,7 +342,7 @@ def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobC
 
 def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig | ConfigError]], nproc: int, cpu: bool,
                     prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict,
-                    nodes: Nodes = Nodes()) -> None:
+                    nodes: Nodes = Nodes(), eval_path: Path | None = None) -> None:
     """Run each preset, appending its ledger row to `rows` and its raw result to `results`.
     nproc: this node's processes; the world size is nodes x nproc."""
     world = nodes.world_size(nproc)
@@ -349,12 +362,12 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
         rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, nodes,
-                                  progress)
+                                  progress, eval_path)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes, progress)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes, progress, eval_path)
         ended = datetime.now(timezone.utc)
         earlier_s.append((ended - started).total_seconds())
         if result is None:
@@ -395,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
     out_root = base.out_dir
     try:
         prep = prepare_for_training(base, cpu)
+        eval_prep = prepare_eval(base)
     except (PreflightError, DataError) as e:
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
         return 1
@@ -420,7 +434,8 @@ def run(args: argparse.Namespace) -> int:
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
     try:
-        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes)
+        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes,
+                        eval_prep.path if eval_prep else None)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.
         print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)
@@ -458,6 +473,11 @@ def run(args: argparse.Namespace) -> int:
         plot(samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],
              title=f"dry-run {base.run_name}: {world} x GPU")
         led["plot"] = str(png)
+    from tuneledger.plots import dryrun_plot
+
+    png = dryrun_plot(rows, out_root / "dryrun.png", f"dry-run {base.run_name}: {nproc} x {led['gpu']}")
+    if png:
+        led["comparison_plot"] = str(png)
     ledger.write(out_root, "dryrun", led, markdown(led))
     print()
     print_table(led)

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from tuneledger.launch import last_checkpoint
+from tuneledger.launch import best_checkpoint, last_checkpoint
 from tuneledger.model import PreflightError, load_tokenizer, read_model_config
 from tuneledger.perms import apply_umask
 
@@ -116,9 +116,17 @@ class ExportError(RuntimeError):
 
 
 def find_checkpoint(path: Path) -> Path:
-    """`path` itself if it holds an adapter, else its newest complete checkpoint-N."""
+    """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
+    is the run's checkpoint with the lowest eval loss (launch.best_checkpoint)."""
     if (path / "adapter_config.json").is_file():
         return path
+    if path.name == "checkpoint-best" and not path.exists():
+        best = best_checkpoint(path.parent)
+        if not best:
+            raise ExportError(f"{path.parent} has no checkpoint with an eval loss: the run needs eval data (val_size or "
+                              "eval_dataset) and a checkpoint at an eval step (eval_steps defaults to save_steps)")
+        print(f"best checkpoint: {best[0]} (eval loss {best[1]:.4f})", flush=True)
+        return Path(best[0])
     found = last_checkpoint(path, require=("adapter_config.json",))
     if not found:
         if not path.exists():

@@ -102,7 +102,7 @@ def summarize_run(result: dict, warmup: int) -> dict:
         "tokens_per_step": tokens / len(steady),
         "split": parts,
         "memory_mib": [{"rank": r["rank"], "gpu": r["gpu_name"], "peak_allocated": r["peak_allocated_mib"],
-                        "peak_reserved": r["peak_reserved_mib"]} for r in result["ranks"]],
+                        "peak_reserved": r["peak_reserved_mib"], "peak_rss": r.get("peak_rss_mib")} for r in result["ranks"]],
     }
 
 
@@ -120,20 +120,35 @@ def mfu(tokens_per_s: float, matmul_params: int, gradient_checkpointing: bool, w
     return tokens_per_s * k * matmul_params / world / peak_flops
 
 
-def eta(total_steps: int, s_per_step: float, save_steps: int, save_s: float) -> dict:
-    """Full-run estimate: steps x s/step + floor(steps / save_steps) x save time, in s and h."""
+def eta(total_steps: int, s_per_step: float, save_steps: int, save_s: float, evals: int = 0, eval_s: float = 0.0) -> dict:
+    """Full-run estimate: steps x s/step + floor(steps / save_steps) x save time + evaluations x
+    the time of one evaluation (measured on a sample of the eval records, scaled to all), in s and h."""
     saves = total_steps // save_steps if save_steps else 0
-    total = total_steps * s_per_step + saves * save_s
+    total = total_steps * s_per_step + saves * save_s + evals * eval_s
     return {"total_steps": total_steps, "checkpoints": saves, "train_s": total_steps * s_per_step,
-            "save_s": saves * save_s, "total_s": total, "total_h": total / 3600}
+            "save_s": saves * save_s, "evaluations": evals, "eval_s": evals * eval_s, "total_s": total,
+            "total_h": total / 3600}
 
 
 def total_steps(stats: dict, cfg: Any) -> int:
+    """max_steps, else ceil(ceil(training records / cfg's global batch) x epochs); the training
+    records exclude the held-out share (val_size)."""
     if cfg.max_steps and cfg.max_steps > 0:
         return cfg.max_steps
     import math
 
-    return math.ceil(stats["steps_per_epoch"] * cfg.num_train_epochs)
+    train = stats.get("train_records", stats["records"]["valid"])
+    return math.ceil(math.ceil(train / cfg.global_batch_size) * cfg.num_train_epochs)
+
+
+def evaluations(total_steps: int, cfg: Any, steps_per_epoch: int) -> int:
+    """How many evaluations a run of `total_steps` makes: every eval_steps (default save_steps), or
+    once per epoch; 0 when it does not evaluate."""
+    if not cfg.evaluates:
+        return 0
+    if cfg.eval_strategy == "epoch":
+        return max(1, total_steps // max(1, steps_per_epoch))
+    return total_steps // (cfg.eval_steps or cfg.save_steps)
 
 
 def tokens_per_s_range(row: dict) -> tuple[float, float]:

@@ -128,6 +128,24 @@ def check_text_causal_lm(config: dict, name: str) -> None:
         raise PreflightError(f"{name}: architectures={archs} has no *ForCausalLM; tuneledger fine-tunes causal LMs only")
 
 
+def check_remote_code(config: dict, name: str, trust: bool) -> str:
+    """Refuse a model that ships its own Python code (`auto_map` in config.json); return a line.
+
+    trust_remote_code would run that code in every rank. The models this tool trains are built
+    into transformers, so `trust_remote_code: true` (common in LLaMA-Factory configs) is accepted
+    and has no effect; the line says so, loudly, for the log and the ledger.
+    Raises PreflightError naming the auto_map entries.
+    """
+    auto_map = config.get("auto_map")
+    if auto_map:
+        raise PreflightError(f"{name} ships its own Python code (config.json auto_map: {sorted(auto_map)}); tuneledger "
+                             "never runs a model's code (trust_remote_code). Use a transformers-native variant of the model.")
+    if trust:
+        return (f"NOTE trust_remote_code: true has no effect: {name} is built into transformers "
+                f"({config.get('model_type', '?')}), so no code from the model folder runs")
+    return "remote code: none (the model is built into transformers)"
+
+
 def is_synthetic(config: dict) -> bool:
     return "tuneledger_synthetic" in config
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneledger.config import JobConfig, from_cli
-from tuneledger.model import PreflightError, check_text_causal_lm, is_synthetic, read_model_config
+from tuneledger.model import PreflightError, check_remote_code, check_text_causal_lm, is_synthetic, read_model_config
 
 
 def tensorboard_problem() -> str | None:
@@ -137,7 +137,8 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
     check_text_causal_lm(config, cfg.model_name_or_path)
     arch = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
     lines = [f"model: {cfg.model_name_or_path} ({arch}){' SYNTHETIC (random weights)' if is_synthetic(config) else ''}"]
-    lines += [check_logging(cfg), check_bitsandbytes(cfg, cuda), check_disk(cfg, config)]
+    lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
+              check_logging(cfg), check_bitsandbytes(cfg, cuda), check_disk(cfg, config)]
     return lines
 
 

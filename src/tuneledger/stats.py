@@ -15,7 +15,7 @@ from typing import Any
 
 from tuneledger.config import JobConfig, from_cli
 from tuneledger.data import DataError, Prepared, prepare
-from tuneledger.model import (PreflightError, check_embedding_rows, check_text_causal_lm, load_tokenizer,
+from tuneledger.model import (PreflightError, check_embedding_rows, check_remote_code, check_text_causal_lm, load_tokenizer,
                               read_model_config)
 
 SHOW_INVALID = 10  # printed; all of them go to invalid.jsonl
@@ -30,6 +30,9 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
         kinds = "; ".join(f"{kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items())
         example = f"; the first: {prep.invalid[0]}" if prep.invalid else ""
         return f"no valid record in {', '.join(cfg.dataset)}: all {rec['invalid']:,} are invalid ({kinds}){example}"
+    if cfg.val_size and prep.report.get("train_records", 1) <= 0:
+        return (f"val_size={cfg.val_size:g} holds out all {rec['valid']} valid records of {', '.join(cfg.dataset)}: "
+                "nothing is left to train on; lower val_size")
     if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
         return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
                 f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
@@ -42,6 +45,7 @@ def load_prepared(cfg: JobConfig, progress: bool = True) -> Prepared:
     Raises PreflightError or DataError."""
     config = read_model_config(cfg.model_name_or_path)
     check_text_causal_lm(config, cfg.model_name_or_path)
+    check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code)
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     check_embedding_rows(tokenizer, config, cfg.model_name_or_path)
     return prepare(cfg, tokenizer, progress=progress)
@@ -70,6 +74,19 @@ def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
     return prep
 
 
+def prepare_eval(cfg: JobConfig) -> Prepared | None:
+    """The tokenized eval_dataset (same template, cutoff and placeholders as the training data), or
+    None without one. Raises DataError when it has no valid record."""
+    if not cfg.eval_dataset or cfg.eval_strategy == "no":
+        return None
+    ev = cfg.model_copy(update={"dataset": cfg.eval_dataset, "eval_dataset": None})
+    prep = load_prepared(ev)
+    if not prep.report["records"]["valid"]:
+        raise DataError(f"eval_dataset {', '.join(cfg.eval_dataset)}: no valid record ({prep.report['records']['invalid']} invalid)")
+    print(f"eval data: {prep.report['records']['valid']:,} records of {', '.join(cfg.eval_dataset)}")
+    return prep
+
+
 def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -93,6 +110,8 @@ def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     t.add_row("length mean / median / p95 / max", f"{ln['mean']:,} / {ln['median']:,.0f} / {ln['p95']:,.0f} / {ln['max']:,}")
     t.add_row(f"records over cutoff_len ({r['cutoff_len']}, truncated)", f"{r['over_cutoff']:,}")
     t.add_row("records with 0 supervised tokens (left out)", f"{r['zero_supervised']:,}")
+    if r.get("eval_records"):
+        t.add_row(f"held out for evaluation (val_size={cfg.val_size:g}, seed {cfg.seed})", f"{r['eval_records']:,}")
     t.add_row(f"steps per epoch (global batch {r['global_batch_size']})", f"{r['steps_per_epoch']:,}")
     t.add_row("mean tokens per step", f"{r['tokens_per_step']:,.0f}")
     t.add_row("cache", f"{prep.path}{' (hit)' if prep.from_cache else ''}")

@@ -26,7 +26,7 @@ from tuneledger.nodes import from_args, summary
 from tuneledger.preflight import checkpoint_estimate
 from tuneledger.data import DataError
 from tuneledger.runlock import RunLock, RunLocked
-from tuneledger.stats import prepare_for_training
+from tuneledger.stats import prepare_eval, prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +87,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
     out = cfg.out_dir
     try:
         prep = prepare_for_training(cfg, cpu)
+        eval_prep = prepare_eval(cfg)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
@@ -122,11 +123,18 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
                   "Use another run_name for a new run, or raise max_steps / num_train_epochs to go on.")
             return 0
         print(f"resuming from {resume} (step {state['global_step']} of {steps})")
+    held = prep.report.get("eval_records", 0)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
-          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
+          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}"
+          + (f"; {held:,} records held out for evaluation (val_size={cfg.val_size:g}, seed {cfg.seed})" if held else ""))
+    if cfg.evaluates:
+        every = "each epoch" if cfg.eval_strategy == "epoch" else f"every {cfg.eval_steps or cfg.save_steps} steps"
+        print(f"evaluation {every}, micro-batch {cfg.per_device_eval_batch_size}; the best checkpoint is the one with "
+              "the lowest eval loss (make export RUN=... CHECKPOINT=best)")
     print(describe(cfg, world) + (f" ({nodes.nnodes} nodes x {nproc})" if nodes.multi else ""), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
            "result_path": str(out / "train.json"), "cpu": cpu, "resume": resume,
+           "eval_data_path": str(eval_prep.path) if eval_prep else None,
            "data_files": prep.report["data_files"],
            "checkpoint_bytes_estimate": checkpoint_estimate(cfg, read_model_config(cfg.model_name_or_path))[0],
            "progress": {"label": f"train {cfg.run_name}", "started_wall": datetime.now(timezone.utc).timestamp()}}
@@ -191,6 +199,13 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
         return 0
     print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
+    if result.get("eval"):
+        last = result["eval"][-1]
+        print(f"eval loss {last['eval_loss']:.4f} at step {last['step']} ({len(result['eval'])} evaluations of "
+              f"{result['eval_records']:,} records); best checkpoint {result['best_checkpoint'] or '- (no checkpoint at an eval step)'}"
+              + (f", eval loss {result['best_eval_loss']:.4f}" if result["best_checkpoint"] else ""))
+    if cfg.plot_loss and (out / "training_loss.png").is_file():
+        print(f"loss plot: {out / 'training_loss.png'}")
     return 0
 
 

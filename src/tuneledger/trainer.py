@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -34,7 +35,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from tuneledger.checkpoints import CONFIG, DATA, size_of, write_manifest
 from tuneledger.config import JobConfig
-from tuneledger.launch import last_checkpoint
+from tuneledger.launch import best_checkpoint, last_checkpoint
 from tuneledger.ledger import run_loss
 from tuneledger.nodes import check_same_nodes, host_name
 from tuneledger.perms import apply_umask
@@ -209,7 +210,7 @@ class TokenSnapshot(TrainerCallback):
 RESUME_KEYS = ("model_name_or_path", "dataset", "template", "default_system", "cutoff_len", "placeholders",
                "max_samples", "quantization_bit", "quantization_type", "double_quantization", "lora_rank",
                "lora_alpha", "lora_dropout", "lora_target", "global_batch_size", "learning_rate",
-               "lr_scheduler_type", "warmup_ratio", "seed")
+               "lr_scheduler_type", "warmup_ratio", "seed", "val_size")
 CONFIG_IN_CHECKPOINT = CONFIG
 
 
@@ -406,6 +407,53 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+class PlotLoss(TrainerCallback):
+    """Redraws <output_dir>/training_loss.png at every checkpoint and at the end (rank 0), so an
+    interrupted run has its picture too. A drawing error is printed, never raised: a picture must
+    not stop a run."""
+
+    def __init__(self, png: Path, title: str):
+        self.png, self.title = png, title
+
+    def draw(self, state) -> None:
+        if not state.is_world_process_zero:
+            return
+        try:
+            from tuneledger.plots import loss_plot
+
+            loss_plot(state.log_history, self.png, self.title)
+        except Exception as e:  # noqa: BLE001
+            print(f"WARNING: could not draw {self.png}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def on_save(self, args, state, control, **kw):
+        self.draw(state)
+
+    def on_train_end(self, args, state, control, **kw):
+        self.draw(state)
+
+
+class EvalCounter(TrainerCallback):
+    """Eval micro-batches this rank ran: under DDP every rank evaluates its shard (the ledger shows it)."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def on_prediction_step(self, args, state, control, **kw):
+        self.batches += 1
+
+
+def split_eval(ds: Any, cfg: JobConfig) -> tuple[Any, Any]:
+    """(train, eval) from the prepared dataset: val_size records held out by seed (the same on
+    every rank), or (ds, None)."""
+    from tuneledger.data import holdout_count
+
+    n = holdout_count(len(ds), cfg.val_size)
+    if not n:
+        return ds, None
+    parts = ds.train_test_split(test_size=n, seed=cfg.seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
 class CrashAfterStep(TrainerCallback):
     """Fault injection for the resume test: TUNELEDGER_CRASH_AFTER_STEP=N kills the process
     (os._exit, no cleanup, like a machine shutdown) once step N and its checkpoint are done."""
@@ -435,8 +483,13 @@ def make_collator(cfg: JobConfig, tokenizer: Any) -> Any:
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
-def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str, save: bool = True) -> TrainingArguments:
+def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str, save: bool = True,
+                  evaluate: bool = False) -> TrainingArguments:
+    """transformers' TrainingArguments of a job. With `evaluate` (there is eval data and it is a
+    train run), evaluation every eval_steps (default save_steps) or epoch, and the best checkpoint
+    tracked by eval loss; the dry-run times one evaluation itself (fit)."""
     dryrun = mode == "dryrun"
+    evaluate = evaluate and not dryrun
     # transformers 5 takes the TensorBoard directory from the environment only.
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out_dir / "tensorboard"))
     return TrainingArguments(
@@ -445,7 +498,9 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
+        # transformers 5: a float in [0, 1) is a ratio of total steps, an int a count.
+        warmup_steps=cfg.warmup_steps or cfg.warmup_ratio,
+        weight_decay=cfg.weight_decay,
         num_train_epochs=cfg.num_train_epochs,
         max_steps=cfg.dryrun_steps if dryrun else cfg.max_steps,
         max_grad_norm=cfg.max_grad_norm,
@@ -471,6 +526,11 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         disable_tqdm=True,  # progress.StepProgress prints plain step lines instead (a bar breaks in a pipe)
         save_only_model=False,
         run_name=cfg.run_name,
+        eval_strategy=(cfg.eval_strategy or "steps") if evaluate else "no",
+        eval_steps=(cfg.eval_steps or cfg.save_steps) if evaluate else None,
+        per_device_eval_batch_size=cfg.per_device_eval_batch_size,
+        metric_for_best_model="eval_loss" if evaluate else None,
+        greater_is_better=False,
     )
 
 
@@ -581,6 +641,11 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     out_dir = Path(job["out_dir"])
     datasets.disable_progress_bars()
     ds = datasets.load_from_disk(job["data_path"]).select_columns(["input_ids", "labels"])
+    ds, eval_ds = split_eval(ds, cfg)
+    if job.get("eval_data_path"):
+        eval_ds = datasets.load_from_disk(job["eval_data_path"]).select_columns(["input_ids", "labels"])
+    if cfg.eval_strategy == "no":
+        eval_ds = None
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     t0 = time.perf_counter()
     quiet.quiet_worker_progress()
@@ -593,7 +658,8 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     guard = NonFiniteGuard()
     clock = Clock(cuda)
     timer = StepTimer(clock)
-    trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
+    args = training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True), evaluate=eval_ds is not None)
+    trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
                             callbacks=[timer, *([stopper] if stopper else []), guard, seal, LogLastStep()],
                             n_params=info["total_params"])
@@ -601,6 +667,10 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
                                       later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
                                       started_wall=progress.get("started_wall")))
+    eval_counter = EvalCounter()
+    trainer.add_callback(eval_counter)
+    if mode == "train" and cfg.plot_loss:
+        trainer.add_callback(PlotLoss(out_dir / "training_loss.png", f"{cfg.run_name}: {cfg.model_name_or_path}"))
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
@@ -624,6 +694,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
               file=sys.stderr, flush=True)
         os._exit(75)
     wall = time.perf_counter() - wall0
+    eval_timing = time_eval(trainer, eval_ds, cfg) if mode == "dryrun" and eval_ds is not None else None
 
     steps = timer.summary()
     tokens = [int(t) for t in torch.stack(trainer.step_tokens).tolist()] if trainer.step_tokens else []
@@ -634,7 +705,9 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "peak_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2**20) if cuda else None,
         "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0,
         "memory_cap_gib": cfg.memory_cap_gib,
-        "steps": steps, "cum_tokens": tokens,
+        # The process's peak resident memory (MiB; Linux reports KiB): the CPU runs' memory figure.
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "steps": steps, "cum_tokens": tokens, "eval_batches": eval_counter.batches,
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = [None] * world
@@ -653,6 +726,8 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     tb_dir = Path(os.environ.get("TENSORBOARD_LOGGING_DIR", out_dir / "tensorboard"))
     events = [f for f in tb_dir.rglob("events.out.tfevents.*") if f.stat().st_mtime >= wall_started] if tb_dir.is_dir() else []
     report_to = "tensorboard" if report_to == "tensorboard" and (events or rank != 0) else "none"
+    evals = [{"step": h["step"], "eval_loss": h["eval_loss"]} for h in trainer.state.log_history if "eval_loss" in h]
+    best = best_checkpoint(out_dir) if mode == "train" and evals else None
     return {
         "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
         "train_loss": loss["mean"], "last_logged_loss": loss["last"], "last_logged_step": loss["last_step"],
@@ -661,7 +736,20 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "tensorboard_dir": str(tb_dir) if report_to == "tensorboard" else None,
         "config": cfg.model_dump(), "resumed_from": resume, "peak_tflops": peak,
         "stopped": guard.tripped or (stopper and stopper.stopped) or None,
+        "eval_records": len(eval_ds) if eval_ds is not None else 0, "eval": evals, "eval_timing": eval_timing,
+        "best_checkpoint": best[0] if best else None, "best_eval_loss": best[1] if best else None,
     }
+
+
+def time_eval(trainer: Any, eval_ds: Any, cfg: JobConfig) -> dict:
+    """Seconds of one evaluation pass over a sample of the eval records (two eval micro-batches per
+    rank), for the dry-run's ETA: s_per_record x eval records x evaluations."""
+    world = trainer.args.world_size
+    n = min(len(eval_ds), 2 * cfg.per_device_eval_batch_size * world)
+    t0 = time.perf_counter()
+    trainer.evaluate(eval_dataset=eval_ds.select(range(n)))
+    dt = time.perf_counter() - t0
+    return {"records": n, "s": dt, "s_per_record": dt / n, "eval_records": len(eval_ds)}
 
 
 if __name__ == "__main__":
