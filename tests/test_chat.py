@@ -42,6 +42,14 @@ def adapter_run(tmp_path_factory, tiny_model):
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"model_name_or_path={tiny_model}", "cutoff_len=64",
                                                         f"cache_dir={run.parent / 'cache'}", "default_system=Be brief."])
     (run / "job.json").write_text(json.dumps({"mode": "train", "config": cfg.model_dump()}))
+    # Sealed as a training's save leaves it (checkpoints.py): the optimizer and scheduler files are
+    # stand-ins, chat never reads them.
+    from tuneledger.checkpoints import CONFIG, write_manifest
+
+    for name in ("optimizer.pt", "scheduler.pt"):
+        torch.save({}, ckpt / name)
+    (ckpt / CONFIG).write_text(json.dumps(cfg.model_dump()))
+    write_manifest(ckpt, 1)
     return run
 
 
