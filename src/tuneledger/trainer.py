@@ -432,7 +432,9 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     timer = StepTimer(clock)
     trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
-                            callbacks=[timer, SaveConfig(cfg), LogLastStep()], n_params=info["total_params"])
+                            callbacks=[timer, SaveConfig(cfg)], n_params=info["total_params"])
+    if mode == "train":  # not in a dry-run: a log is a host sync, and would land inside the measured window
+        trainer.add_callback(LogLastStep())
     progress = job.get("progress") or {}
     trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
                                       later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
