@@ -299,7 +299,7 @@ def table(led: dict) -> Any:
                   f"{mem:,}" if mem else "-", _fits(r), fmt_h(r["eta"]["total_s"]))
     for r in led["presets"]:
         if "skipped" in r:
-            t.add_row("-", r["preset"], *[""] * 9)
+            t.add_row("-", r["preset"], "skipped", *[""] * 8)  # the reason follows the table
     return t
 
 

@@ -661,8 +661,10 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     args = training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True), evaluate=eval_ds is not None)
     trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
-                            callbacks=[timer, *([stopper] if stopper else []), guard, seal, LogLastStep()],
+                            callbacks=[timer, *([stopper] if stopper else []), guard, seal],
                             n_params=info["total_params"])
+    if mode == "train":  # not in a dry-run: a log is a host sync, and would land inside the measured window
+        trainer.add_callback(LogLastStep())
     progress = job.get("progress") or {}
     trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
                                       later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
