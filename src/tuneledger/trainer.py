@@ -33,7 +33,7 @@ from tuneledger import quiet
 quiet.install()  # before transformers and peft import bitsandbytes, which logs at import
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from tuneledger.checkpoints import CONFIG, DATA, size_of, write_manifest
+from tuneledger.checkpoints import CONFIG, DATA, MANIFEST, size_of, write_manifest
 from tuneledger.config import JobConfig
 from tuneledger.launch import best_checkpoint, last_checkpoint
 from tuneledger.ledger import run_loss
@@ -150,6 +150,10 @@ class LedgerTrainer(Trainer):
             return super()._load_rng_state(checkpoint)
 
     def _save_checkpoint(self, model, trial):
+        # A folder saved over (resume_from_checkpoint=never in a used run dir) is unsealed first,
+        # so a kill mid-save cannot leave an old manifest vouching for a mix of files.
+        if self.is_world_process_zero():
+            (Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}" / MANIFEST).unlink(missing_ok=True)
         # A full disk mid-save: name the path, the bytes needed and free; the last good checkpoint stays.
         try:
             super()._save_checkpoint(model, trial)
