@@ -29,8 +29,9 @@ def test_options_make_the_rendezvous():
     assert n.multi and not n.first and n.max_restarts == DEFAULT_MAX_RESTARTS and n.world_size(4) == 8
     args = n.torchrun_args(4, "run-x")
     assert args == ["--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
-                    "--rdzv-endpoint=node0:29400", "--rdzv-id=run-x", "--rdzv-conf=is_host=false", "--max-restarts=3"]
-    assert "--rdzv-conf=is_host=true" in from_args(ns(nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:1")).torchrun_args(1, "r")
+                    "--rdzv-endpoint=node0:29400", "--rdzv-id=run-x",
+                    "--rdzv-conf=is_host=false,join_timeout=1800,read_timeout=300", "--max-restarts=3"]
+    assert "--rdzv-conf=is_host=true,join_timeout=1800,read_timeout=300" in from_args(ns(nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:1")).torchrun_args(1, "r")
     assert from_args(ns(nnodes=2, node_rank=0, rdzv_endpoint="[fe80::1]:29400", max_restarts=0)).max_restarts == 0
     assert from_args(ns()) == Nodes() and not Nodes().multi and Nodes().suffix() == ""
     assert Nodes(2, 0, "h:1").suffix() == "" and n.suffix() == "-node1"

@@ -34,6 +34,13 @@ from typing import Any
 
 from tuneledger.config import ConfigError
 
+# c10d rendezvous settings (torch.distributed.elastic.rendezvous). join_timeout: how long the first
+# node waits for the last; nodes started by Slurm or Kubernetes can be minutes apart (an image pull
+# of several GB), so 30 min instead of 10. read_timeout: one store call, 60 s by default, which a
+# loaded node's agent missed (2 CPU "nodes" sharing 2 cores with other jobs, load average 60:
+# "DistStoreError: wait timeout after 60000ms"), killing a healthy job.
+RDZV_CONF = "join_timeout=1800,read_timeout=300"
+
 # Restarts when a multi-node job does not say: a lost node or a preempted pod costs a restart from
 # the last checkpoint, not the job. One node alone keeps torchrun's default, 0: a failure there is
 # a bug or an OOM that a restart would only repeat.
@@ -71,7 +78,7 @@ class Nodes:
         the others connect to it, waiting for it up to the rendezvous timeout."""
         return [f"--nproc-per-node={nproc_per_node}", f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
-                f"--rdzv-conf=is_host={'true' if self.first else 'false'}", f"--max-restarts={self.max_restarts}"]
+                f"--rdzv-conf=is_host={'true' if self.first else 'false'},{RDZV_CONF}", f"--max-restarts={self.max_restarts}"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
