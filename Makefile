@@ -2,6 +2,7 @@
 #
 # Settings (all optional):  CONFIG=configs/x.yaml  PRESET=A|B|C|D|all  MODEL=<hub id or dir>
 #   DATASET=a.json,b.jsonl  RUN=<run name>  MAX_STEPS=N  STEPS=N (dry-run)  NPROC=N  ARGS="key=value ..."
+#   Several nodes (train, dryrun; docs/multi-node.md): NNODES=N NODE_RANK=R RDZV_ENDPOINT=host:port [MAX_RESTARTS=3]
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -13,12 +14,17 @@ VENV ?= .venv
 # Where the verbs run: in the `trainer` container (docker compose, the pinned image, every GPU) by
 # default; LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`
 # always runs in the host venv. Docker settings (GPUs, folders, mirrors) come from .env.
-COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" \
+	|| { command -v docker-compose >/dev/null 2>&1 && echo docker-compose; })
+# The verbs that would run in the container; only they say where they run.
+CONTAINER_VERBS := stats dryrun train export quantize monitor fetch
 # No reachable Docker engine: run in the host venv rather than fail (say so once).
 ifeq ($(origin LOCAL),undefined)
 LOCAL := $(shell docker info >/dev/null 2>&1 || echo 1)
 ifeq ($(LOCAL),1)
+ifneq ($(filter $(CONTAINER_VERBS),$(MAKECMDGOALS)),)
 $(info tuneledger: no Docker engine reachable; running in the host venv (.venv). Set LOCAL=0 to insist on the container.)
+endif
 endif
 endif
 ifeq ($(LOCAL),1)
@@ -28,9 +34,9 @@ TLQ = $(VENV_QUANT)/bin/tuneledger
 QENV_DEP = $(VENV_QUANT)/.stamp
 else
 EXEC = $(COMPOSE) run --rm trainer
-ENV_DEP = host-dirs
+ENV_DEP = compose-check host-dirs
 TLQ = $(COMPOSE) run --rm quantize tuneledger
-QENV_DEP = host-dirs
+QENV_DEP = compose-check host-dirs
 endif
 TL = $(EXEC) tuneledger
 
@@ -46,20 +52,39 @@ CONFIG ?= configs/tiny.yaml
 SYNTH ?= models/synthetic-tiny
 SYNTH_ARCH := tiny
 endif
-MODEL ?= $(SYNTH)
 PRESET ?=
 DRYRUN_PRESET ?= $(or $(PRESET),all)
 
+# The model: an explicit MODEL= (command line or environment) overrides the config; otherwise the
+# config's own model_name_or_path is used, so `make train CONFIG=my.yaml` trains my.yaml's model.
+# The default configs name the synthetic model of this machine's kind.
+CONFIG_MODEL = $(shell sed -n 's/^model_name_or_path:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) 2>/dev/null | head -1)
+ifneq ($(filter command line environment override,$(origin MODEL)),)
+MODEL_OVERRIDE := model_name_or_path=$(MODEL)
+JOB_MODEL = $(MODEL)
+else ifeq ($(origin CONFIG),file)
+# The default config on a GPU machine names the hub model; its job runs on the synthetic copy.
+MODEL_OVERRIDE := model_name_or_path=$(SYNTH)
+JOB_MODEL = $(SYNTH)
+else
+MODEL_OVERRIDE :=
+JOB_MODEL = $(CONFIG_MODEL)
+endif
+
 # Make variables -> key=value overrides, in LLaMA-Factory's key names.
-OVERRIDES := model_name_or_path=$(MODEL) \
+OVERRIDES := $(MODEL_OVERRIDE) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
+# Make variables -> torchrun's c10d rendezvous across nodes (tuneledger.nodes); empty = one node.
+NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
+	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train export test test-slow test-all clean-cache monitor fetch image host-dirs lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train export chat eval test test-slow test-all clean-cache monitor fetch image host-dirs compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
-	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
+	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(JOB_MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
+	@echo "  several nodes (train, dryrun): NNODES= NODE_RANK= RDZV_ENDPOINT=host:port MAX_RESTARTS= (docs/multi-node.md)"
 
 # VENV_TORCH=cpu: torch 2.5.1+cpu from TORCH_CPU_INDEX (docker/torch-cpu-wheel.txt, by hash), then the
 # lock without its torch, triton and nvidia-*-cu12 blocks: about 0.4 GB to download instead of 3.2 GB
@@ -71,6 +96,7 @@ VENV_CUDA_WHEELS := torch|triton|nvidia-.*-cu12
 $(VENV)/.stamp: requirements.txt pyproject.toml $(if $(filter cpu,$(VENV_TORCH)),docker/torch-cpu-wheel.txt)
 	@test -n "$(PYTHON)" || { echo "no Python 3.10 found; set PYTHON=/path/to/python3.10"; exit 1; }
 	@case "$(VENV_TORCH)" in ""|cpu) ;; *) echo "VENV_TORCH=$(VENV_TORCH): empty (the lock's torch) or cpu"; exit 2;; esac
+	@echo "venv: creating $(VENV) from requirements.txt (torch, transformers, peft, ...: about 3 GB to download, 6 GB on disk, 3-4 min on a 2-core machine)"
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(VENV_TORCH),cpu)
 	$(VENV)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: --index-url $(TORCH_CPU_INDEX) \
@@ -109,26 +135,36 @@ $(VENV_QUANT)/.stamp: requirements-quant.txt pyproject.toml
 venv-quant: $(VENV_QUANT)/.stamp ## create .venv-quant for the INT4 step (Python 3.11, torch 2.13, llm-compressor; hashes)
 
 models/synthetic-%/config.json: | $(ENV_DEP)
+	@echo "synth-model: writing the random-weight $* model to models/synthetic-$* (seconds for tiny, a few minutes for the 7B)"
 	$(TL) synth-model --arch $* models/synthetic-$*
 
-# The synthetic model is built only when the job uses it.
-MODEL_DEP := $(if $(filter $(SYNTH),$(MODEL)),$(SYNTH)/config.json)
+# A synthetic model (models/synthetic-<arch>) is built only when the job uses it.
+MODEL_DEP = $(if $(filter models/synthetic-%,$(patsubst ./%,%,$(JOB_MODEL))),$(patsubst ./%,%,$(JOB_MODEL))/config.json)
 
 stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
 	$(TL) stats $(CONFIG) $(OVERRIDES)
 
 dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D)
-	$(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
+	$(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)
 
 train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
-	$(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
+	$(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)
 
 # The run to export: RUN, else the config's run_name.
 EXPORT_RUN = $(or $(RUN),$(shell sed -n 's/^run_name:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) | head -1))
 EXPORT_OUT = $(or $(OUT),runs/$(EXPORT_RUN)/export)
-export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
+export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N, CHECKPOINT=best: lowest eval loss) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
 	$(TL) export --adapter runs/$(EXPORT_RUN)$(if $(CHECKPOINT),/checkpoint-$(CHECKPOINT)) $(if $(OUT),--out $(OUT))
 	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT) $(QUANT_ARGS))
+
+# Try the result: RUN's export if there is one, else its base + newest adapter (CHECKPOINT=N|best).
+# PROMPT="..." answers once; without it, a conversation in the terminal.
+chat: $(ENV_DEP) ## chat with RUN (its export, or base + adapter; CHECKPOINT=N|best, PROMPT="..." for one answer)
+	$(TL) chat $(EXPORT_RUN) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(PROMPT),--prompt "$(PROMPT)")
+
+eval: $(ENV_DEP) ## loss/perplexity of RUN on DATASET=heldout.json (CHECKPOINT=N|best); one line + runs/<run>/eval-*.json
+	@test -n "$(DATASET)" || { echo "usage: make eval RUN=<run> DATASET=heldout.json"; exit 2; }
+	$(TL) eval $(EXPORT_RUN) --dataset $(DATASET) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
 # The INT4 step (tuneledger quantize) has its own environment: llm-compressor needs torch >= 2.10,
 # the trainer's image and .venv hold torch 2.5.1. In the `quantize` container (Dockerfile.quant) by
@@ -174,6 +210,9 @@ image: ## build the image: CUDA 12.1, Python 3.10, torch 2.5.1, the lock (mirror
 
 image-quant: ## build the INT4 step's image (Dockerfile.quant: Python 3.11, torch 2.13, llm-compressor)
 	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) --profile quantize build quantize
+
+compose-check:
+	@test -n "$(COMPOSE)" || { echo "LOCAL=0 runs the verbs with Docker Compose, and neither \`docker compose\` (the Compose v2 plugin: Debian/Ubuntu package docker-compose-plugin from Docker's apt repository, or docker-compose-v2) nor docker-compose (package docker-compose) is installed. Install one (https://docs.docker.com/compose/install/), or run in the host venv with LOCAL=1." >&2; exit 1; }
 
 # Docker creates a missing bind-mount folder as root; create them first, as you.
 host-dirs:
@@ -222,12 +261,14 @@ lock-check-quant: $(VENV_QUANT)/.stamp ## fail if requirements-quant.txt is out 
 	&& { diff -u requirements-quant.txt "$$tmp/requirements-quant.txt" || { echo "lock-check-quant: requirements-quant.txt is out of date with requirements-quant.in: run make lock-quant"; exit 1; }; } \
 	&& echo "lock-check-quant: requirements-quant.txt matches requirements-quant.in"
 
-lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml, check that settings agree
+lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml and the k8s manifests, check that settings agree
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/hadolint Dockerfile.quant
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/check-jsonschema --schemafile deploy/k8s/schemas/pytorchjob-kubeflow.org-v1.json deploy/k8s/pytorchjob.yaml
+	$(VENV)/bin/check-jsonschema --schemafile deploy/k8s/schemas/jobset-jobset.x-k8s.io-v1alpha2.json deploy/k8s/jobset.yaml
 	$(VENV)/bin/python docker/check-settings.py
-	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh bench/*.sh; do bash -n "$$f" || exit 1; done
+	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh bench/*.sh deploy/slurm/*.sbatch; do bash -n "$$f" || exit 1; done
 	@if command -v docker-compose >/dev/null 2>&1; then docker-compose -f docker-compose.yml config -q && echo "docker-compose config: ok"; \
 	elif docker compose version >/dev/null 2>&1; then docker compose -f docker-compose.yml config -q && echo "docker compose config: ok"; \
 	else echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; fi

@@ -50,11 +50,11 @@ def test_explicit_accumulation_must_agree():
 
 
 def test_unknown_key_suggests_the_right_one(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'lora_rnak' in command-line overrides. Did you mean 'lora_rank'"):
+    with pytest.raises(ConfigError, match="command-line overrides: unknown key 'lora_rnak'. Did you mean 'lora_rank'"):
         load_config(REF, ["lora_rnak=8"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model_name_or_path: x\ndataset: a.json\nper_device_batch_size: 2\n")
-    with pytest.raises(ConfigError, match=f"unknown key 'per_device_batch_size' in {bad}. Did you mean 'per_device_train_batch_size'"):
+    with pytest.raises(ConfigError, match=f"{bad}:3: unknown key 'per_device_batch_size'. Did you mean 'per_device_train_batch_size'"):
         load_config(bad)
 
 

@@ -99,7 +99,7 @@ def test_cutoff_truncates_and_counts(qwen_tokenizer):
     msgs = [{"role": "user", "content": "word " * 50}, {"role": "assistant", "content": "ok"}]
     enc = encode(msgs, qwen_tokenizer, cutoff_len=20)
     assert len(enc["input_ids"]) == len(enc["labels"]) == 20 and enc["truncated"] and enc["n_tokens"] > 20
-    assert enc["n_supervised"] == 0 and enc["reason"] == "0 supervised tokens left after cutoff_len"
+    assert enc["n_supervised"] == 0 and enc["reason"].startswith("0 supervised tokens left after cutoff_len: ")
 
 
 # ----------------------------------------------------------------------------------- stats

@@ -4,6 +4,8 @@ join from monitor samples to a verdict."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ import yaml
 
 from tuneledger.config import ConfigError
 from tuneledger.diagnose import BOTTLENECKS, DiagnosisThresholds, diagnose, load_thresholds
-from tuneledger.monitor import read_rows, summarize_window
+from tuneledger.monitor.csvlog import read_rows
+from tuneledger.monitor.summary import summarize_window
 
 ROOT = Path(__file__).parents[1]
 FIX = Path(__file__).parent / "fixtures"
@@ -81,6 +84,26 @@ def test_imbalance_is_named():
     d = diagnose({"util_mean_pct": 60, "mem_peak_frac": 0.3, "allreduce_share": 0.3, "data_wait_share": 0.0,
                   "imbalance": True, "util_spread_pts": 22.5})
     assert "util imbalanced across GPUs (22 points)" in d["line"] and d["lever"].startswith("first find the slow GPU")
+
+
+def test_imbalance_follows_the_thresholds_spread_rule():
+    """The summary measures the spread; the verdict judges it with its own imbalance_util_pts
+    (configs/diagnosis.yaml), whatever flag the summary computed with the default."""
+    base = {"util_mean_pct": 60, "mem_peak_frac": 0.3, "allreduce_share": 0.3, "data_wait_share": 0.0,
+            "imbalance": False, "util_spread_pts": 12.0}
+    assert "imbalanced" not in diagnose(base)["line"]
+    assert "util imbalanced across GPUs (12 points)" in diagnose(base, DiagnosisThresholds(imbalance_util_pts=10))["line"]
+    assert "imbalanced" not in diagnose({**base, "imbalance": True, "util_spread_pts": 12.0})["line"]
+    assert "imbalanced" in diagnose({**base, "imbalance": True, "util_spread_pts": None})["line"]
+
+
+def test_the_verdict_does_not_import_the_monitor():
+    """diagnose reads plain numbers: importing it must load no part of the monitor (sampler, NVML)."""
+    code = ("import sys, tuneledger.diagnose; "
+            "bad = sorted(m for m in sys.modules if m.startswith('tuneledger.monitor') or m == 'pynvml'); "
+            "sys.exit(' '.join(bad) or None)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, f"diagnose imports {proc.stderr.strip()}"
 
 
 def test_empty_inputs_are_unknown():

@@ -47,6 +47,13 @@ def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_mode
     md = (tmp_path / "dry" / "dryrun.md").read_text()
     assert "SYNTHETIC" in md and "| preset |" in md and "Where the step time goes" in md
     assert "rendezvous 127.0.0.1:" in p.stdout
+    # Progress while it runs, and no line without information (issue 10, items 3 and 6).
+    assert "=== [1/4] preset A: micro-batch" in p.stdout and "preset A: preset A" not in p.stdout
+    assert "dry-run preset A (1 of 4): step 1/3," in p.stdout and "the dry-run ~" in p.stdout
+    assert "dry-run preset D (4 of 4): step 3/3," in p.stdout
+    for noise in ("PAD/BOS/EOS", "Loading weights", "gemm_4bit_forward", "Filter:"):
+        assert noise not in p.stdout + p.stderr, noise
+    assert "cuda" not in led["versions"] and "cuda " not in md  # a CPU run used no CUDA
     assert not list((tmp_path / "dry" / "dryrun").glob("*/checkpoint-*"))  # timed, weighed, removed
 
 
@@ -71,6 +78,9 @@ def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_
     assert (run / "checkpoint-4" / "adapter_model.safetensors").is_file()
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert result["train_loss"] == pytest.approx(sum(losses) / len(losses))  # not skewed by the resume
+    # One loss printed, the right one: not transformers' train_loss beside ours (issue 10, item 7).
+    assert "train_loss" not in resumed.stdout and "last None" not in resumed.stdout
+    assert f"loss {result['train_loss']:.4f} (mean over its 4 steps), last {losses[-1]:.4f} at step 4" in resumed.stdout
 
     again = tl("train", *args, "--nproc", "2", "--cpu")  # a finished run is left as it is
     assert again.returncode == 0 and "is already trained" in again.stdout

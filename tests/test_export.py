@@ -54,6 +54,10 @@ def test_merged_equals_base_plus_adapter(tiny_run, tiny_model):
     assert 151645 in json.loads((out / "generation_config.json").read_text())["eos_token_id"]  # <|im_end|>
     assert (out / "chat_template.jinja").is_file() or "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
     assert not (tiny_run / "export.partial").exists()
+    from tuneledger.perms import current_umask
+
+    for f in [*out.glob("*.safetensors"), *(tiny_run / "checkpoint-3").glob("*.safetensors")]:
+        assert (f.stat().st_mode & 0o777) == 0o666 & ~current_umask(), f  # the user's umask, not safetensors' 0600
 
     # Independently of the tool's own check: the LoRA changed the model, and merging kept the change.
     ids = torch.tensor([[151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]])

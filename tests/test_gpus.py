@@ -12,7 +12,8 @@ import pytest
 
 from tuneledger.cli import build_parser
 from tuneledger.gpus import MAX_USED_MIB, judge, pick, run, verdict
-from tuneledger.monitor import FakeGpu, FakeNvml, Monitor
+from tuneledger.monitor.backends import FakeGpu, FakeNvml
+from tuneledger.monitor.sampler import Monitor
 
 GB_21_7 = 21.7 * 1024  # MiB
 

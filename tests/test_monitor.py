@@ -22,10 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from tuneledger import monitor as m
-from tuneledger.monitor import (COLUMNS, CsvLog, FakeGpu, FakeNvml, InProcessSampler, Monitor, NvmlError,
-                                PynvmlBackend, parse_time, parse_window, plot, read_rows, sample,
-                                summarize_window, windows_from_ledger)
+from tuneledger.monitor.backends import FakeGpu, FakeNvml, NvmlError, PynvmlBackend
+from tuneledger.monitor.cli import run_loop
+from tuneledger.monitor.csvlog import CsvLog, read_rows, read_window
+from tuneledger.monitor.plot import parse_window, plot, windows_from_ledger
+from tuneledger.monitor.rows import COLUMNS, parse_time
+from tuneledger.monitor.sampler import InProcessSampler, Monitor, sample
+from tuneledger.monitor.summary import summarize_window, visible_gpus
 
 FIX = Path(__file__).parent / "fixtures"
 TRACE = FIX / "monitor_2xh200_synthetic.csv"
@@ -321,7 +324,7 @@ def test_cli_fake_gpus(tmp_path, capsys):
 def test_run_loop_stops_on_event_and_reports_overhead(tmp_path):
     stop = threading.Event()
     b = two_gpus(tick=lambda b: stop.set())  # "SIGTERM" arrives during the first sample
-    stats = m.run_loop(Monitor(b, "h"), CsvLog(tmp_path, "h"), 60.0, None, stop)
+    stats = run_loop(Monitor(b, "h"), CsvLog(tmp_path, "h"), 60.0, None, stop)
     assert stats["samples"] == 1  # the sample in flight completes and is written; no 60 s wait
     assert len(read_rows(tmp_path)) == 2
     assert set(stats) == {"samples", "wall_ms_mean", "wall_ms_max", "cpu_pct"}
@@ -445,15 +448,15 @@ def test_read_window_reads_only_the_days_and_host_asked(tmp_path):
             log.write(mon.poll(now=datetime(2026, 11, day, 23, 59, 0, tzinfo=timezone.utc)))
         log.close()
     (tmp_path / "notes.csv").write_text("not,a,monitor,file\n")  # ignored: no date in the name
-    rows = m.read_window(tmp_path, "2026-11-29T00:00:00Z", "2026-11-30T00:00:00Z", host="a")
+    rows = read_window(tmp_path, "2026-11-29T00:00:00Z", "2026-11-30T00:00:00Z", host="a")
     assert {(r["host"], r["timestamp"]) for r in rows} == {("a", "2026-11-29T23:59:00.000Z")}
-    assert len(m.read_window(tmp_path, "2026-11-28T00:00:00Z", "2026-11-30T23:59:59Z")) == 12
-    assert m.read_window(tmp_path / "none", "2026-11-29T00:00:00Z", "2026-11-30T00:00:00Z") == []
+    assert len(read_window(tmp_path, "2026-11-28T00:00:00Z", "2026-11-30T23:59:59Z")) == 12
+    assert read_window(tmp_path / "none", "2026-11-29T00:00:00Z", "2026-11-30T00:00:00Z") == []
 
 
 def test_visible_gpus():
-    assert m.visible_gpus({}) is None
-    assert m.visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert visible_gpus({}) is None
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
 
 
 def test_parse_time_forms():

@@ -14,8 +14,8 @@ import sys
 
 from tuneledger import __version__
 
-# Module names under tuneledger/, in the order `--help` lists them.
-VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "quantize", "monitor", "gpus"]
+# Module names under tuneledger/, in the order `--help` lists them (a package's verb is its .cli).
+VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "quantize", "chat", "evaluate", "monitor.cli", "gpus"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tuneledger import quiet
     from tuneledger.config import ConfigError
+    from tuneledger.model import PreflightError
 
+    quiet.install()
     parser = build_parser()
     # The config file and `key=value` overrides may come before or after the options (`dryrun
     # --preset all cfg.yaml lora_rank=8`); argparse stops collecting positionals at the first
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tuneledger {args.verb}: config error: {e}", file=sys.stderr)
         return 2
+    except PreflightError as e:  # e.g. model.locate_model, which each verb calls before anything heavy
+        print(f"tuneledger {args.verb}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

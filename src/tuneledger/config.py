@@ -14,6 +14,8 @@ Precedence, lowest first: the YAML file, then the preset (`preset: C`), then com
 from __future__ import annotations
 
 import difflib
+import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,13 +45,17 @@ class JobConfig(BaseModel):
 
     # -- model
     model_name_or_path: str
+    # LLaMA-Factory's key. Accepted; code shipped with a model (auto_map) is refused either way (docs/security.md)
     trust_remote_code: bool = False
-    flash_attn: Literal["auto", "sdpa", "fa2", "eager"] = "auto"
+    flash_attn: Literal["auto", "sdpa", "fa2", "eager"] = "auto"  # LLaMA-Factory's "disabled" reads as eager
     # -- data
+    # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]
-    # Records are rendered with the tokenizer's own chat template. "qwen" (LLaMA-Factory's name)
-    # also checks that it is ChatML, as Qwen2.5's is; "tokenizer" takes whatever template it has.
-    template: Literal["qwen", "tokenizer"] = "qwen"
+    dataset_dir: str = "data"
+    # Records are rendered with the tokenizer's own chat template. A ChatML name of LLaMA-Factory
+    # ("qwen", "qwen3", "qwen3_nothink", "chatml", ...) also checks that the tokenizer's template is
+    # ChatML; any other name (and "tokenizer") takes whatever template the tokenizer has.
+    template: str = "qwen"
     default_system: str | None = None  # None: the template's own default system prompt
     cutoff_len: int = 2048  # tokens; longer records are truncated and counted
     max_samples: int | None = Field(None, ge=1)
@@ -58,25 +64,29 @@ class JobConfig(BaseModel):
     preprocessing_num_workers: int | None = None  # None: min(cpu count, 8)
     cache_dir: str = ".cache/tuneledger"
     # -- method
-    finetuning_type: Literal["lora"] = "lora"
-    quantization_bit: Literal[4] | None = 4
+    quantization_bit: Literal[4] | None = None  # None: LoRA on a bf16 base, as in LLaMA-Factory; 4: QLoRA
     quantization_type: Literal["nf4", "fp4"] = "nf4"
     double_quantization: bool = True
-    lora_rank: int = 64
-    lora_alpha: int = 128
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    # LLaMA-Factory's defaults (rank 8, alpha 2 x rank, no dropout); the shipped configs set 64/128/0.05.
+    lora_rank: int = 8
+    lora_alpha: int | None = None  # None: 2 x lora_rank
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target: str = "all"  # "all" = every linear projection but lm_head
     # -- batch
     preset: Literal["A", "B", "C", "D"] | None = None
+    # Unset with gradient_accumulation_steps set (a LLaMA-Factory config): micro-batch x accumulation
+    # x world size, as LLaMA-Factory computes it. Unset with neither: 16.
     global_batch_size: int = 16
     per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int | None = None  # derived; set it only to assert it
+    gradient_accumulation_steps: int | None = None  # derived from global_batch_size when that is set
     gradient_checkpointing: bool = True
     packing: bool = False
     # -- optimisation
     learning_rate: float = Field(1e-4, gt=0)
     lr_scheduler_type: str = "cosine"
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    warmup_steps: int = Field(0, ge=0)  # > 0 wins over warmup_ratio
+    weight_decay: float = Field(0.0, ge=0)
     num_train_epochs: float = Field(1.0, gt=0)
     max_steps: int = -1
     max_grad_norm: float = 1.0
@@ -89,31 +99,73 @@ class JobConfig(BaseModel):
     save_steps: int = 200
     save_total_limit: int | None = 3
     logging_steps: int = 10
+    plot_loss: bool = True  # <output_dir>/training_loss.png, redrawn at each checkpoint
     report_to: Literal["tensorboard", "none"] = "tensorboard"
     dataloader_num_workers: int = 2
     ddp_timeout: int = 7200  # s; large, as in the field report, so a slow save never kills a rank
     resume_from_checkpoint: Literal["auto", "never"] | str = "auto"
+    resume_on_changed_data: bool = False  # true: resume although a data file's sha256 changed since the checkpoint
+    # SIGTERM/SIGINT: each rank finishes its step, rank 0 saves, exit 0, all within this many seconds
+    # (keep it below Kubernetes' terminationGracePeriodSeconds / Slurm's --signal lead time; docs/faults.md).
+    stop_grace_period_s: float = Field(120, gt=0)
+    # -- evaluation: a held-out share of `dataset` (val_size) or other datasets (eval_dataset)
+    val_size: float = Field(0.0, ge=0)  # < 1: a fraction of the records; >= 1: a count; held out by seed
+    eval_dataset: list[str] | None = None
+    per_device_eval_batch_size: int = 8
+    eval_strategy: Literal["no", "steps", "epoch"] | None = None  # None: "steps" when there is eval data
+    eval_steps: int | None = None  # None: save_steps, so every checkpoint has an eval loss to pick the best by
     # -- dry-run
     dryrun_steps: int = 50
     dryrun_warmup_steps: int = Field(5, ge=0)  # optimizer steps excluded from the steady-state numbers
     memory_cap_gib: float | None = None  # cap each process's CUDA memory, e.g. 24 to prove a 4090 fit
 
-    @field_validator("dataset", mode="before")
+    @field_validator("model_name_or_path")
+    @classmethod
+    def _expand_home(cls, v: str) -> str:
+        # transformers does not expand ~; a hub id never starts with it.
+        return os.path.expanduser(v) if v.startswith("~") else v
+
+    @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _split_datasets(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [p.strip() for p in v.split(",") if p.strip()]
         return v
 
+    @field_validator("flash_attn", mode="before")
+    @classmethod
+    def _flash_attn_disabled(cls, v: Any) -> Any:
+        return "eager" if v == "disabled" else v
+
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _resume_null(cls, v: Any) -> Any:
+        return "auto" if v is None else v
+
+    @field_validator("val_size")
+    @classmethod
+    def _whole_count(cls, v: float) -> float:
+        if v >= 1 and v != int(v):
+            raise ValueError("a count (>= 1) must be a whole number; a fraction must be below 1")
+        return v
+
     @field_validator(
         "cutoff_len", "global_batch_size", "per_device_train_batch_size", "lora_rank", "lora_alpha",
-        "save_steps", "logging_steps", "dryrun_steps",
+        "save_steps", "logging_steps", "dryrun_steps", "per_device_eval_batch_size", "eval_steps",
     )
     @classmethod
-    def _positive(cls, v: int) -> int:
-        if v <= 0:
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
             raise ValueError("must be > 0")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_alpha_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("lora_alpha") is None:
+            rank = data.get("lora_rank", cls.model_fields["lora_rank"].default)
+            data = {**data, "lora_alpha": 2 * rank if isinstance(rank, int) else None}
+        return data
 
     @model_validator(mode="after")
     def _warmup_below_steps(self) -> "JobConfig":
@@ -122,9 +174,21 @@ class JobConfig(BaseModel):
                              f"({self.dryrun_steps}): nothing would be left to measure")
         return self
 
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "JobConfig":
+        if self.val_size and self.eval_dataset:
+            raise ValueError(f"val_size ({self.val_size}) and eval_dataset ({','.join(self.eval_dataset)}) both set: "
+                             "evaluate on a held-out share of dataset (val_size) or on eval_dataset, not both")
+        return self
+
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir or f"runs/{self.run_name}")
+
+    @property
+    def evaluates(self) -> bool:
+        """True when the run has eval data (val_size or eval_dataset) and evaluation is not off."""
+        return bool(self.val_size or self.eval_dataset) and self.eval_strategy != "no"
 
     def accumulation(self, world_size: int) -> int:
         """Gradient accumulation steps for `world_size` ranks at the fixed global batch.
@@ -208,12 +272,57 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _check_keys(keys: Any, where: str) -> None:
-    for key in keys:
-        if key not in FIELDS:
-            close = difflib.get_close_matches(key, sorted(FIELDS), n=1, cutoff=0.6)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown key '{key}' in {where}.{hint}")
+def suggest(key: str) -> str | None:
+    """The one known key `key` is a close misspelling of, or None.
+
+    Never a key of the other split: a key that names eval gets only eval keys, any other key gets
+    none (`per_device_batch_size` means the training micro-batch, not the eval one).
+    """
+    pool = sorted(k for k in FIELDS if ("eval" in k) == ("eval" in key))
+    close = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+# Printed once per process: the verbs build a config more than once (dryrun: once per preset).
+_ANNOUNCED: set[str] = set()
+
+
+def screen_keys(raw: dict[str, Any], where: str, lines: dict[str, int] | None = None) -> tuple[dict, list[str], list[str]]:
+    """Sort a config's keys: our fields (kept), LLaMA-Factory keys (see llamafactory.py), unknown.
+
+    Returns (the fields to validate, one with any LLaMA-Factory alias applied; the ignored keys,
+    each "key: why"; the problems, each naming the key, its line when known, and the fix).
+    """
+    from tuneledger import llamafactory
+
+    keep, ignored, problems = {}, [], []
+    for key, value in raw.items():
+        at = f"{where}:{lines[key]}" if lines and key in lines else where
+        if key in FIELDS:
+            keep[key] = value
+            continue
+        verdict = llamafactory.classify(key, value)
+        if verdict is None:
+            close = suggest(key)
+            problems.append(f"{at}: unknown key '{key}'." + (f" Did you mean '{close}'?" if close else ""))
+        elif verdict.status == "implemented":
+            keep.update(verdict.updates)
+        elif verdict.status == "ignored":
+            ignored.append(f"{key}: {verdict.text}")
+        else:
+            problems.append(f"{at}: {key}: {value!r} is not supported: {verdict.text}")
+    return keep, ignored, problems
+
+
+def key_lines(path: Path) -> dict[str, int]:
+    """Line (1-based) of each top-level key of a YAML mapping file; {} when it cannot be parsed."""
+    try:
+        node = yaml.compose(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, OSError):
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
 
 
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
@@ -238,36 +347,58 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] =
     """
     raw = read_yaml_mapping(path, "config") if path is not None else {}
     where = str(path) if path is not None else "command line"
-    _check_keys(raw, where)
     over = parse_overrides(list(overrides)) if not isinstance(overrides, dict) else dict(overrides)
-    _check_keys(over, "command-line overrides")
+    # Every problem of the file and the overrides is reported at once, not one per run.
+    lines = key_lines(Path(path)) if path is not None else {}
+    raw, ignored, problems = screen_keys(raw, where, lines)
+    over, ignored_over, problems_over = screen_keys(over, "command-line overrides")
+    ignored, problems = ignored + ignored_over, problems + problems_over
 
     merged = dict(raw)
     preset = over.get("preset", raw.get("preset"))
     if preset is not None:
         preset = str(preset).upper()
         if preset not in PRESETS:
-            raise ConfigError(f"unknown preset '{preset}' (from {where} or overrides); choose one of {', '.join(PRESETS)}")
-        merged.update(PRESETS[preset])
-        merged["preset"] = preset
+            problems.append(f"unknown preset '{preset}' (from {where} or overrides); choose one of {', '.join(PRESETS)}")
+        else:
+            merged.update(PRESETS[preset])
+            merged["preset"] = preset
     for k, v in over.items():
         if k != "preset":
             # placeholders.name=X on the command line adds to the file's placeholders.
             merged[k] = {**merged[k], **v} if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
     try:
-        return JobConfig(**merged)
+        cfg = JobConfig(**{k: v for k, v in merged.items() if not (k == "preset" and problems)})
     except ValidationError as e:
-        lines = [f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})" if err["loc"]
-                 else err["msg"].removeprefix("Value error, ") for err in e.errors()]
-        raise ConfigError(f"invalid config ({where} + overrides):\n  " + "\n  ".join(lines)) from None
+        for err in e.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            if not err["loc"]:
+                problems.append(msg)
+                continue
+            key = str(err["loc"][0])
+            at = "command-line overrides" if key in over else f"{where}:{lines[key]}" if key in lines else where
+            problems.append(f"{at}: {'.'.join(map(str, err['loc']))}: {msg} (got {err.get('input')!r})")
+    if problems:
+        head = f"{len(problems)} problem{'s' if len(problems) > 1 else ''} in {where} + overrides"
+        raise ConfigError(f"{head}:\n  " + "\n  ".join(problems))
+    text = "\n  ".join(ignored)
+    if ignored and text not in _ANNOUNCED:
+        _ANNOUNCED.add(text)
+        print(f"config: {len(ignored)} LLaMA-Factory key(s) accepted and ignored (they do not apply here; "
+              f"docs/llamafactory-keys.md):\n  {text}", file=sys.stderr, flush=True)
+    return cfg
 
 
 def resolve(cfg: JobConfig, world_size: int) -> JobConfig:
-    """Fix the world-size-dependent numbers: preset D's micro-batch cap and the accumulation.
+    """Fix the world-size-dependent numbers: the global batch of a config that gives only the
+    accumulation (LLaMA-Factory's way), preset D's micro-batch cap, and the accumulation.
 
     Returns a copy with `gradient_accumulation_steps` set. Raises ConfigError (see `accumulation`).
     """
     cfg = cfg.model_copy()
+    if cfg.gradient_accumulation_steps and "global_batch_size" not in cfg.model_fields_set:
+        # A LLaMA-Factory config gives the accumulation, not the global batch: derive it as it does.
+        cfg.global_batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
     if cfg.preset == "D":
         # D is "the largest micro-batch that fits": 8 fit an H200, but never more than the global
         # batch allows, so 8 GPUs at global 16 run micro-batch 2 rather than changing the recipe;

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 
 IGNORE_INDEX = -100
-CACHE_VERSION = "1"  # bump when encode() changes, so stale caches are not reused
+CACHE_VERSION = "2"  # bump when encode() changes, so stale caches are not reused
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -55,6 +55,10 @@ class Invalid:
 
     def __post_init__(self) -> None:
         self.kind = self.kind or self.reason
+        # A field name or path can hold the very bytes that are not UTF-8; escape them, so the
+        # record can still be printed and written to invalid.jsonl.
+        for name in ("where", "field", "reason", "kind"):
+            setattr(self, name, getattr(self, name).encode("utf-8", "backslashreplace").decode("utf-8"))
 
     def __str__(self) -> str:
         return f"{self.where}: field '{self.field}': {self.reason}"
@@ -67,33 +71,98 @@ class Invalid:
 def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     """Yield (location, parsed object or Invalid) for every record of a .json or .jsonl file.
 
-    A JSONL line that is not JSON is yielded as Invalid (the rest of the file still counts).
-    Raises DataError when the file is missing or a .json file does not parse, with line:column.
+    Every fault of one record is yielded as an Invalid and the rest of the file still counts: a
+    JSONL line that is not JSON (a file truncated mid-line included), a line or a JSON-list
+    record with bytes that are not UTF-8 (see `bad_text`), JSON nested too deeply, a number
+    Python refuses. A UTF-8 byte-order mark is accepted at the start of the file and, in JSONL, of
+    any line (files joined with `cat`). Raises DataError when the file is missing or a .json
+    file does not parse as a whole, with line:column.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset file {path} not found")
-    text = path.read_text(encoding="utf-8")
+    # Bytes that are not UTF-8 become lone surrogates (U+DC80..U+DCFF), found per record below,
+    # so one bad byte costs its record, not the file.
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape").removeprefix(BOM)
     if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
-        for lineno, line in enumerate(text.splitlines(), 1):
+        lines = text.split("\n")
+        for lineno, line in enumerate(lines, 1):
+            line = line.removeprefix(BOM)
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
+            bad = bad_text(line)
+            if bad:
+                yield where, Invalid(where, "<line>", f"{bad} at column {bad_column(line) + 1}", "not UTF-8")
+                continue
             try:
-                yield where, json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, Invalid(where, "<line>", f"not valid JSON: {e.msg} at column {e.colno}", "not valid JSON")
+                cut = " (the last line, with no newline after it: was the file cut short?)" if lineno == len(lines) else ""
+                yield where, Invalid(where, "<line>", f"not valid JSON: {e.msg} at column {e.colno}{cut}", "not valid JSON")
+            except (ValueError, RecursionError) as e:  # int over Python's digit limit, nesting too deep
+                yield where, Invalid(where, "<line>", f"not valid JSON: {type(e).__name__}: {str(e)[:200]}", "not valid JSON")
+            else:  # the line's bytes were UTF-8: a surrogate now comes from a JSON escape
+                field, bad = _first_bad_text(obj, escaped=True)
+                yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
         return
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise DataError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json dataset must be a list of records, got {type(data).__name__}")
-    # Records in a JSON list are located by index; the line of each is found cheaply for objects
-    # that start on their own line, which is how these files are written.
+    escaped = not _SURROGATE.search(text)
     for i, obj in enumerate(data):
-        yield f"{path}#{i}", obj
+        where = f"{path}#{i}"
+        field, bad = _first_bad_text(obj, escaped)
+        yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
+
+
+BOM = "\ufeff"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def bad_text(s: str, escaped: bool = False) -> str:
+    """Why `s` cannot be encoded as UTF-8 (and so cannot be tokenized or stored), or "".
+
+    A byte that was not UTF-8 in the file shows as U+DC80..U+DCFF (surrogateescape); a JSON
+    escape such as "\\udc80" gives a lone surrogate too (`escaped`: the file's bytes were all UTF-8).
+    """
+    m = _SURROGATE.search(s)
+    if not m:
+        return ""
+    c = ord(m.group(0))
+    if 0xDC80 <= c <= 0xDCFF and not escaped:
+        return f"not UTF-8: byte 0x{c - 0xDC00:02x}"
+    return f"not UTF-8: lone surrogate \\u{c:04x} (a JSON escape that encodes no character)"
+
+
+def bad_column(s: str) -> int:
+    m = _SURROGATE.search(s)
+    return m.start() if m else -1
+
+
+def _first_bad_text(obj: Any, escaped: bool = False) -> tuple[str, str]:
+    """(field, reason) of the first string in a parsed record (keys included) that is not
+    UTF-8, or ("", ""). Iterative, so a record nested as deep as json allows cannot overflow."""
+    stack = [("<record>", obj)]
+    while stack:
+        field, value = stack.pop()
+        if isinstance(value, str):
+            if bad_text(value):
+                return field, bad_text(value, escaped)
+        elif isinstance(value, dict):
+            for k, v in reversed(value.items()):
+                sub = k if field == "<record>" else f"{field}.{k}"
+                if bad_text(k):
+                    return sub, bad_text(k, escaped) + " (in a key)"
+                stack.append((sub, v))
+        elif isinstance(value, list):
+            stack.extend((f"{'' if field == '<record>' else field}[{j}]", v) for j, v in reversed(list(enumerate(value))))
+    return "", ""
 
 
 def _text(obj: dict, field: str, where: str, required: bool = True) -> str | Invalid:
@@ -138,9 +207,10 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
             field = f"{key}[{j}]"
             if not isinstance(turn, dict):
                 return Invalid(where, field, "must be an object", "wrong type")
-            role = ROLE_ALIASES.get(turn.get(role_key))
+            raw_role = turn.get(role_key)
+            role = ROLE_ALIASES.get(raw_role) if isinstance(raw_role, str) else None
             if role is None:
-                return Invalid(where, f"{field}.{role_key}", f"unsupported role {turn.get(role_key)!r}", "unsupported role")
+                return Invalid(where, f"{field}.{role_key}", f"unsupported role {raw_role!r}", "unsupported role")
             content = _text(turn, content_key, where)
             if isinstance(content, Invalid):
                 content.field = f"{field}.{content_key}"
@@ -186,6 +256,9 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
     for role, content, _, content_field in turns:
         if placeholders:
             content = PLACEHOLDER.sub(lambda g: placeholders.get(g.group(1), g.group(0)), content)
+        bad = bad_text(content)
+        if bad:  # read_records finds these in files; this guards every other caller (and placeholders)
+            return Invalid(where, content_field, bad, "not UTF-8")
         left = PLACEHOLDER.search(content)
         if left:
             return Invalid(where, content_field, f"unfilled placeholder {left.group(0)}: set placeholders: "
@@ -233,12 +306,30 @@ def encode(messages: list[dict], tokenizer: Any, cutoff_len: int, default_system
     n_tokens = len(ids)
     ids, labels = ids[:cutoff_len], labels[:cutoff_len]
     n_sup = int((labels != IGNORE_INDEX).sum())
-    reason = "" if n_sup else ("0 supervised tokens left after cutoff_len" if n_tokens > cutoff_len else "0 supervised tokens")
+    reason = ""
+    if not n_sup and mask.any():
+        # The kind before the colon is what the stats count; the rest says by how much.
+        reason = (f"0 supervised tokens left after cutoff_len: the first assistant reply starts at token "
+                  f"{int(mask.argmax()) + 1} of {n_tokens}, cutoff_len is {cutoff_len}")
+    elif not n_sup:
+        reason = "0 supervised tokens"
     return {"input_ids": ids.tolist(), "labels": labels.tolist(), "n_tokens": n_tokens, "n_supervised": n_sup,
             "truncated": n_tokens > cutoff_len, "reason": reason}
 
 
 # ---------------------------------------------------------------------------------------- cache
+# LLaMA-Factory template names whose format is ChatML (<|im_start|>role ... <|im_end|>).
+CHATML_TEMPLATES = ("qwen", "qwen2", "qwen3", "qwen3_nothink", "qwen2_vl", "qwen2_audio", "qwen2_omni", "qwen3_vl",
+                    "chatml", "chatml_de", "smollm", "smollm2")
+
+
+def is_chatml_name(template: str) -> bool:
+    """True for a template name that promises ChatML (checked against the tokenizer's template).
+    Every template renders with the tokenizer's own chat template; "tokenizer" and other names
+    (llama3, mistral, ...) take it without a check."""
+    return template in CHATML_TEMPLATES
+
+
 def file_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -283,7 +374,12 @@ class Prepared:
 def _encode_batch(batch: dict, tokenizer: Any, cutoff_len: int, default_system: str | None) -> dict:
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_tokens", "n_supervised", "truncated", "reason")}
     for messages in batch["messages"]:
-        for k, v in encode(messages, tokenizer, cutoff_len, default_system).items():
+        try:
+            enc = encode(messages, tokenizer, cutoff_len, default_system)
+        except Exception as e:  # a template or tokenizer fault of one record costs that record only
+            enc = {"input_ids": [], "labels": [], "n_tokens": 0, "n_supervised": 0, "truncated": False,
+                   "reason": f"cannot be rendered or tokenized: {type(e).__name__}: {str(e)[:200]}"}
+        for k, v in enc.items():
             out[k].append(v)
     return out
 
@@ -298,18 +394,19 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     """
     import datasets
 
-    files = [Path(p) for p in cfg.dataset]
-    for f in files:
-        if f.is_dir():
-            raise DataError(f"dataset {f} is a directory; list its .json/.jsonl files (dataset: a.json,b.jsonl)")
-        if not f.is_file():
-            raise DataError(f"dataset file {f} not found (dataset: {', '.join(cfg.dataset)})")
-    if cfg.template == "qwen" and "<|im_start|>" not in (tokenizer.chat_template or ""):
-        raise DataError(f"template: qwen expects a ChatML chat template (<|im_start|>...<|im_end|>), and the tokenizer of "
-                        f"{cfg.model_name_or_path} has another; set template=tokenizer to render with it as it is")
-    hashes, tok_fp = {str(f): file_sha256(f) for f in files}, tokenizer_fingerprint(tokenizer)
-    key = cache_key(list(hashes.values()), tok_fp, cfg.template, cfg.cutoff_len,
-                    {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples})
+    from tuneledger.dataset_info import resolve_sources
+
+    sources = resolve_sources(cfg.dataset, cfg.dataset_dir, cfg.cache_dir)
+    if is_chatml_name(cfg.template) and "<|im_start|>" not in (tokenizer.chat_template or ""):
+        raise DataError(f"template: {cfg.template} expects a ChatML chat template (<|im_start|>...<|im_end|>), and the "
+                        f"tokenizer of {cfg.model_name_or_path} has another; set template=tokenizer to render with it as it is")
+    hashes = {str(f): file_sha256(f) for s in sources for f in s.files}
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    key = cache_key(list(hashes.values()), tok_fp, "chatml" if is_chatml_name(cfg.template) else "tokenizer", cfg.cutoff_len,
+                    {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples,
+                     "sources": [s.spec() for s in sources]})
+    if cfg.default_system and bad_text(cfg.default_system):
+        raise DataError(f"default_system: {bad_text(cfg.default_system)}")
     path = Path(cfg.cache_dir) / key
     meta = path / "tuneledger.json"
     if meta.is_file():
@@ -319,13 +416,16 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     rows: dict[str, list] = {"messages": [], "where": []}
     invalid: list[Invalid] = []
     total = 0
-    for f in files:
-        for where, obj in read_records(f):
-            if cfg.max_samples is not None and total >= cfg.max_samples:
+    for src in sources:
+        taken = 0  # max_samples caps each dataset, as in LLaMA-Factory
+        for where, obj in (rec for f in src.files for rec in read_records(f)):
+            if cfg.max_samples is not None and taken >= cfg.max_samples:
                 break
             total += 1
-            msgs = to_messages(obj, where, cfg.placeholders)
+            taken += 1
+            msgs = to_messages(src.convert(obj, where), where, cfg.placeholders)
             if isinstance(msgs, Invalid):
+                msgs.field = src.field_name(msgs.field)
                 invalid.append(msgs)
             else:
                 rows["messages"].append(msgs)
@@ -341,21 +441,33 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
             fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
             desc=f"tokenizing {len(ds)} records",
         )
+        # The tokenizing bar says how long the wait is; the filter's and the save's (under a second) say nothing.
+        datasets.disable_progress_bars()
         reasons = ds["reason"]
         for where, reason in zip(ds["where"], reasons):
             if reason:
-                invalid.append(Invalid(where, "output", reason))
+                invalid.append(Invalid(where, "output", reason, reason.split(":", 1)[0]))
         ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns("reason")
     report = summarize(ds, total, invalid, cfg)
     report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-    tmp = path.with_name(path.name + ".tmp")
-    ds.save_to_disk(str(tmp))
-    (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
-    if path.exists():  # another process won the race; keep its copy
-        import shutil
-        shutil.rmtree(tmp)
-    else:
-        tmp.rename(path)
+    # A folder of its own (two runs, or a multi-node job's launchers, may build the same key at
+    # once), renamed into place whole; the first to finish wins and the others drop their copy.
+    import shutil
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{key}.tmp-"))
+    try:
+        ds.save_to_disk(str(tmp))
+        (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
+        os.rename(tmp, path)  # atomic; fails if another process put its copy there first
+    except OSError:
+        if not (path / "tuneledger.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, if another process won the race
+    if progress:
+        datasets.enable_progress_bars()
     return Prepared(path, with_batch(report, cfg), invalid, False)
 
 
@@ -389,10 +501,23 @@ def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:
     }
 
 
+def holdout_count(n: int, val_size: float) -> int:
+    """Records held out for evaluation from `n`: ceil(val_size x n) for a fraction (< 1), val_size
+    itself for a count (>= 1), as datasets' train_test_split counts them. Never more than n."""
+    import math
+
+    if not val_size:
+        return 0
+    return min(n, math.ceil(val_size * n) if val_size < 1 else int(val_size))
+
+
 def with_batch(report: dict, cfg: Any) -> dict:
-    """The report plus what depends on the batch, not on the data (so not cached with it):
-    steps_per_epoch = ceil(valid / global batch), and the mean trained tokens per step."""
+    """The report plus what depends on the batch and the held-out share, not on the data (so not
+    cached with it): train_records = valid - held out (val_size), steps_per_epoch =
+    ceil(train_records / global batch), and the mean trained tokens per step."""
     valid, gb = report["records"]["valid"], cfg.global_batch_size
-    steps = -(-valid // gb) if valid else 0
-    return {**report, "global_batch_size": gb, "steps_per_epoch": steps,
-            "tokens_per_step": round(report["tokens"]["trained"] / steps, 1) if steps else 0.0}
+    held = holdout_count(valid, getattr(cfg, "val_size", 0))
+    train = valid - held
+    steps = -(-train // gb) if train else 0
+    return {**report, "global_batch_size": gb, "steps_per_epoch": steps, "eval_records": held, "train_records": train,
+            "tokens_per_step": round(report["tokens"]["trained"] * train / valid / steps, 1) if steps else 0.0}

@@ -4,14 +4,15 @@
 steady window (all optional; None = not measured):
 
     util_mean_pct          GPU utilisation, %: mean over GPUs of each GPU's mean (NVML, via
-                           monitor.summarize_window); None without NVML (CPU runs, containers)
+                           monitor.summary.summarize_window); None without NVML (CPU runs, containers)
     mem_peak_frac          max over ranks of peak allocated memory (torch) / total GPU memory, 0-1
     allreduce_share        (exposed all-reduce + sync wait) s / s_per_step, 0-1
     data_wait_share        data wait s / s_per_step, 0-1
     micro_batch            per-device micro-batch
     gradient_checkpointing bool
     mfu                    model FLOPs utilisation, 0-1 (ledger.mfu)
-    imbalance, util_spread_pts   from summarize_window, to name a slow rank
+    imbalance, util_spread_pts   from monitor.summary.summarize_window, to name a slow rank
+                           (a spread above imbalance_util_pts counts as imbalance)
 
 Rules, first match wins (time that is measured as lost outranks what utilisation suggests):
   1. allreduce_share >= comm_share           -> communication-bound
@@ -37,9 +38,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tuneledger.config import ConfigError, read_yaml_mapping
-from tuneledger.monitor import IMBALANCE_UTIL_PTS
 
 DEFAULT_PATH = Path("configs/diagnosis.yaml")
+# GPUs whose mean utilisation differs by more than this many points in one window are flagged as
+# imbalanced. Under DDP every rank runs the same work and waits for the others at each all-reduce,
+# so their utilisation should match; a spread this large means one GPU is slower (throttled,
+# shared with another process, on a slower link) and holds the others at every sync. 15 points is
+# a judgement, well above the difference of a few points expected between identical ranks: check
+# it against the device runs. The default of DiagnosisThresholds.imbalance_util_pts and of
+# monitor.summary.summarize_window.
+IMBALANCE_UTIL_PTS = 15.0
+
 BOTTLENECKS = ("compute-bound", "memory-bound", "communication-bound", "input-bound", "host-bound", "unknown")
 
 
@@ -67,7 +76,7 @@ class DiagnosisThresholds(BaseModel):
     # HF QLoRA on an H200 measured 5.8-11.8% at micro-batch 1-2 (host-starved) and 24.5% at 8.
     host_mfu: float = Field(0.15, gt=0, le=1)
     host_micro_batch: int = Field(2, ge=1)
-    # Ranks whose mean utilisation differs by more points are flagged imbalanced (monitor.py).
+    # Ranks whose mean utilisation differs by more points are flagged imbalanced (IMBALANCE_UTIL_PTS).
     imbalance_util_pts: float = Field(IMBALANCE_UTIL_PTS, gt=0, le=100)
 
     @model_validator(mode="after")
@@ -112,7 +121,9 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
     gc = inputs.get("gradient_checkpointing")
     mfu = inputs.get("mfu")
     spread = inputs.get("util_spread_pts")
-    imbalance = bool(inputs.get("imbalance"))
+    # The spread is measured; whether it is an imbalance is this verdict's threshold (a summary's own
+    # flag used the default). Without a spread, take the flag as given.
+    imbalance = spread > t.imbalance_util_pts if spread is not None else bool(inputs.get("imbalance"))
 
     facts = [f"GPU util {util:.0f}%" if util is not None else "GPU util unavailable (no NVML samples)",
              f"memory peak {_pct(mem)} of the GPU", f"all-reduce + sync {_pct(comm)} of a step",

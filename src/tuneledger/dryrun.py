@@ -25,13 +25,16 @@ from tuneledger import ledger
 from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
-from tuneledger.model import PreflightError
+from tuneledger.model import PreflightError, locate_model
+from tuneledger.nodes import Nodes, from_args, summary
+from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data import DataError
-from tuneledger.stats import prepare_for_training
+from tuneledger.stats import prepare_eval, prepare_for_training, run_data_hash
 
 
 
-def versions() -> dict:
+def versions(cpu: bool = False) -> dict:
+    """Versions of what the run used. A CPU run used no CUDA, whatever torch was built for: no "cuda"."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
@@ -40,12 +43,10 @@ def versions() -> dict:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = None
-    try:
+    if not cpu:
         import torch
 
         out["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
     return out
 
 
@@ -72,18 +73,27 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 
 
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
-            cap_gib: float | None = None) -> tuple[int, dict | None, bool]:
+            cap_gib: float | None = None, nodes: Nodes = Nodes(), progress: dict | None = None,
+            eval_path: Path | None = None
+            ) -> tuple[int, dict | None, bool]:
     """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
 
-    With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof).
+    With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof). With
+    several nodes, only node 0 clears the (shared) preset folder; the others keep their job file
+    beside it, where that cannot delete it. `progress` goes to the worker's step lines
+    (progress.StepProgress).
     """
-    run_dir = out_root / "dryrun" / f"{cfg.preset}{'-cap' if cap_gib else ''}"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    name = f"{cfg.preset}{'-cap' if cap_gib else ''}"
+    run_dir = out_root / "dryrun" / name
+    if nodes.first:
+        shutil.rmtree(run_dir, ignore_errors=True)
     if cap_gib:
         cfg = cfg.model_copy(update={"memory_cap_gib": cap_gib})
     job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
-           "result_path": str(run_dir / "result.json"), "cpu": cpu}
-    rc = run_workers(job, run_dir / "job.json", nproc, log)
+           "result_path": str(run_dir / "result.json"), "cpu": cpu, "eval_data_path": str(eval_path) if eval_path else None,
+           "progress": {**(progress or {}), "started_wall": datetime.now(timezone.utc).timestamp()}}
+    job_path = run_dir / "job.json" if nodes.first else out_root / "dryrun" / f"job-{name}{nodes.suffix()}.json"
+    rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}")
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
     # The checkpoint was written only to be timed and weighed; its size is in the result.
     for ckpt in run_dir.glob("checkpoint-*"):
@@ -93,7 +103,7 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
 
 def used_gpus(nproc: int) -> list[str]:
     """The GPUs the ranks ran on: local rank r uses the r-th visible GPU."""
-    from tuneledger.monitor import visible_gpus
+    from tuneledger.monitor.summary import visible_gpus
 
     return (visible_gpus() or [str(i) for i in range(nproc)])[:nproc]
 
@@ -102,7 +112,7 @@ def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
     """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict.
     Only the GPUs the ranks used count: an idle neighbour must not dilute the utilisation."""
     from tuneledger.diagnose import diagnose, load_thresholds
-    from tuneledger.monitor import summarize_window
+    from tuneledger.monitor.summary import summarize_window
 
     gpu = summarize_window(rows, *row["window_utc"], gpus=used_gpus(nproc)) if rows else None
     total = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu and gpu["gpus"] else None
@@ -127,7 +137,12 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
     s = ledger.summarize_run(result, cfg.dryrun_warmup_steps)
     model = result["model"]
     save_s = result["save_s"][0] if result["save_s"] else 0.0
-    e = ledger.eta(ledger.total_steps(stats, cfg), s["s_per_step"], cfg.save_steps, save_s)
+    steps = ledger.total_steps(stats, cfg)
+    # One evaluation = the measured seconds per eval record x every eval record.
+    timing = result.get("eval_timing")
+    eval_s = timing["s_per_record"] * timing["eval_records"] if timing else 0.0
+    e = ledger.eta(steps, s["s_per_step"], cfg.save_steps, save_s,
+                   ledger.evaluations(steps, cfg, stats["steps_per_epoch"]) if timing else 0, eval_s)
     peak = result.get("peak_tflops")
     u = ledger.mfu(s["tokens_per_s"], model["matmul_params"], cfg.gradient_checkpointing, world, peak * 1e12 if peak else None)
     return {
@@ -137,6 +152,7 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
         **s, "mfu": u, "peak_tflops_measured": peak,
         "save_s": save_s, "checkpoint_bytes": result["checkpoint_bytes"], "eta": e,
         "train_loss": result["train_loss"], "model": model, "allreduce": result.get("allreduce") or {},
+        "report_to": result.get("report_to"),  # what was written, not what was asked
         "config": cfg.model_dump(),
     }
 
@@ -149,6 +165,14 @@ def _n(x: float | None, spec: str = ",.0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _nodes_line(n: dict) -> str:
+    nccl = n.get("nccl") or {}
+    link = (f"NCCL {nccl.get('network') or '?'} ({', '.join(nccl.get('inter_node') or []) or 'no NET channel logged'})"
+            if nccl else "NCCL transport not logged")
+    bw = f", all-reduce bus bandwidth {n['allreduce_busbw_gbs']:.2f} GB/s" if n.get("allreduce_busbw_gbs") else ""
+    return f"- nodes: {n['nnodes']} x {n['gpus_per_node']} ({', '.join(n['hosts'])}); between nodes: {link}{bw}"
+
+
 def markdown(led: dict) -> str:
     rows = [r for r in led["presets"] if "s_per_step" in r]
     synth = " (SYNTHETIC weights: speed and memory are the real architecture's, outputs are noise)" if led["synthetic"] else ""
@@ -157,6 +181,7 @@ def markdown(led: dict) -> str:
         f"- date: {led['date']}; host: {led['host']}",
         f"- model: {led['model']}{synth}",
         f"- hardware: {led['world_size']} x {led['gpu']}; link: {led['topology']['link']}",
+        *([_nodes_line(led["nodes"])] if led.get("nodes") else []),
         f"- data: {', '.join(led['dataset'])} ({led['stats']['records']['valid']:,} records, {led['stats']['tokens']['trained']:,} tokens, "
         f"{led['stats']['steps_per_epoch']:,} steps/epoch at global batch {led['global_batch_size']}); cache {led['data_hash']}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in led['versions'].items() if v)}",
@@ -201,6 +226,8 @@ def markdown(led: dict) -> str:
         imb = [r["preset"] for r in rows if (r.get("gpu_window") or {}).get("imbalance")]
         if imb:
             lines.append(f"\nImbalance between GPUs (utilisation spread above the threshold) in: {', '.join(imb)}.")
+    if led.get("comparison_plot"):
+        lines += ["", f"![tokens/s (p10-p90) and peak memory against a 24 GB card]({Path(led['comparison_plot']).name})"]
     if led.get("plot"):
         lines += ["", f"![GPU utilisation, memory, power and temperature]({Path(led['plot']).name})"]
     if led.get("verdicts"):
@@ -218,10 +245,26 @@ def finding(rows: list[dict]) -> str | None:
     done = [r for r in rows if "tokens_per_s" in r]
     if len(done) < 2:
         return None
-    best = max(done, key=lambda r: r["tokens_per_s"])
+    ranked = sorted(done, key=lambda r: -r["tokens_per_s"])
+    best = ranked[0]
     base = next((r for r in done if r["preset"] == "A"), None)
-    text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
-    if base and base is not best:
+    tied = [r for r in ranked[1:] if ledger.overlap(best, r)]
+    if tied:
+        # The measured spread cannot order them: saying "fastest" would be noise read as a result.
+        names = " and ".join(", ".join(r["preset"] for r in [best, *tied]).rsplit(", ", 1))
+        need = ledger.steps_to_separate(best, tied[0])
+        speeds = " / ".join(format(r["tokens_per_s"], ",.0f") for r in [best, *tied])
+        text = (f"presets {names} tie at {speeds} tokens/s: "
+                f"their p10-p90 ranges overlap over {best['steps_measured']} measured steps")
+        if need is None or need > 100_000:
+            text += "; they run at the same speed"
+        else:
+            text += (f"; about {need:,} steady steps each would separate {best['preset']} from {tied[0]['preset']} "
+                     f"(2 standard errors of the mean step time: dryrun_steps={need + best['warmup_steps_excluded']})")
+        text += "; choose among them by memory or ETA"
+    else:
+        text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
+    if base and base is not best and base not in tied:
         text += f", {best['tokens_per_s'] / base['tokens_per_s']:.2f}x preset A's {base['tokens_per_s']:,.0f}"
         text += f"; its ETA is {fmt_h(best['eta']['total_s'])} against A's {fmt_h(base['eta']['total_s'])}"
     low = [r for r in done if r.get("mfu") is not None and r["mfu"] < 0.15]
@@ -231,28 +274,45 @@ def finding(rows: list[dict]) -> str | None:
     return text + "."
 
 
-def print_table(led: dict) -> None:
-    from rich.console import Console
+def _fits(row: dict) -> str:
+    """The 24 GB column in one word; the note with its reason is in dryrun.md."""
+    return {True: "yes", False: "no"}.get(row.get("fits_24gb"), "n/a" if "CPU" in str(row.get("fits_24gb_note")) else "?")
+
+
+def table(led: dict) -> Any:
+    """The terminal ledger: a rich Table that fits 100 columns. dryrun.md has every column;
+    this one leaves out tokens/s per GPU, save time and the spreads, and shortens the 24 GB note."""
+    from rich import box
     from rich.table import Table
 
     t = Table(title=f"dry-run ledger: {led['world_size']} x {led['gpu']}{'  [SYNTHETIC model]' if led['synthetic'] else ''}",
-              title_justify="left")
-    for col in ("rank", "preset", "mb x accum", "GC", "pack", "s/step", "tokens/s", "tok/s/GPU", "MFU", "peak MiB", "fits 24GB",
-                "save s", "ETA"):
-        t.add_column(col, justify="right")
+              title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
+    # "order": the ranking by tokens/s ("rank" would read as a DDP rank).
+    for col in ("order", "preset", "mb x acc", "GC", "pack", "s/step", "tokens/s", "MFU", "peak MiB", "24 GB", "ETA"):
+        t.add_column(col, justify="right", no_wrap=True)
     rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
     for i, r in enumerate(rows, 1):
         mem = max((m["peak_allocated"] or 0) for m in r["memory_mib"])
         t.add_row(str(i), r["preset"], f"{r['micro_batch']} x {r['gradient_accumulation_steps']}",
                   "on" if r["gradient_checkpointing"] else "off", "on" if r["packing"] else "off",
-                  f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
-                  f"{r['mfu']:.1%}" if r["mfu"] else "-", f"{mem:,}" if mem else "-", str(r.get("fits_24gb_note", "-")),
-                  f"{r['save_s']:.1f}", fmt_h(r["eta"]["total_s"]))
+                  f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
+                  f"{mem:,}" if mem else "-", _fits(r), fmt_h(r["eta"]["total_s"]))
     for r in led["presets"]:
         if "skipped" in r:
-            t.add_row("-", r["preset"], f"skipped: {r['skipped']}", *[""] * 10)
-    # A pipe or a log file gets the full width rather than an 80-column wrap.
-    Console(width=None if sys.stdout.isatty() else 200).print(t)
+            t.add_row("-", r["preset"], *[""] * 9)
+    return t
+
+
+def print_table(led: dict) -> None:
+    from rich.console import Console
+
+    t = table(led)
+    rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
+    # A pipe or a log file gets 100 columns rather than rich's 80-column default.
+    Console(width=None if sys.stdout.isatty() else 100).print(t)
+    for r in led["presets"]:
+        if "skipped" in r:
+            print(f"preset {r['preset']} skipped: {r['skipped']}")
     if rows:
         r = rows[0]
         print(f"total steps {r['eta']['total_steps']:,} ({r['eta']['checkpoints']} checkpoints of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
@@ -264,42 +324,57 @@ def print_table(led: dict) -> None:
         print(f"FINDING: {led['finding']}")
 
 
-def plan(items: list[str], names: list[str], nproc: int) -> list[tuple[str, JobConfig | ConfigError]]:
+def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobConfig | ConfigError]]:
     """Each preset's resolved config, or the config error that rules it out at this world size."""
     out: list[tuple[str, JobConfig | ConfigError]] = []
+    base = from_cli(items)
+    if base.gradient_accumulation_steps and "global_batch_size" not in base.model_fields_set:
+        # A LLaMA-Factory config gives the accumulation: its global batch is fixed from the config's own
+        # micro-batch, so the presets (other micro-batches) are compared at the same global batch.
+        items = [*items, f"global_batch_size={resolve(base, nproc).global_batch_size}", "gradient_accumulation_steps=null"]
     for name in names:
         try:
-            out.append((name, resolve(preset_config(items, name), nproc)))
+            out.append((name, resolve(preset_config(items, name), world)))
         except ConfigError as e:
             out.append((name, e))
     return out
 
 
 def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig | ConfigError]], nproc: int, cpu: bool,
-                    prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict) -> None:
-    """Run each preset, appending its ledger row to `rows` and its raw result to `results`."""
+                    prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict,
+                    nodes: Nodes = Nodes(), eval_path: Path | None = None) -> None:
+    """Run each preset, appending its ledger row to `rows` and its raw result to `results`.
+    nproc: this node's processes; the world size is nodes x nproc."""
+    world = nodes.world_size(nproc)
+    runnable = [name for name, cfg in planned if not isinstance(cfg, ConfigError)]
+    earlier_s: list[float] = []  # wall time of each preset run so far, for the dry-run's ETA
     for name, cfg in planned:
         if isinstance(cfg, ConfigError):
             print(f"preset {name}: skipped: {cfg}")
             rows.append({"preset": name, "skipped": str(cfg)})
             continue
-        print(f"\n=== preset {name}: {describe(cfg, nproc)}", flush=True)
+        index = runnable.index(name) + 1
+        print(f"\n=== [{index}/{len(runnable)}] {describe(cfg, world)}", flush=True)
+        progress = {"label": f"dry-run preset {name} ({index} of {len(runnable)})", "later_presets": len(runnable) - index,
+                    "earlier_s": list(earlier_s)}
         started = datetime.now(timezone.utc)
         # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
-        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None)
+        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, nodes,
+                                  progress, eval_path)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes, progress, eval_path)
         ended = datetime.now(timezone.utc)
+        earlier_s.append((ended - started).total_seconds())
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
             continue
-        row = entry(cfg, result, stats, nproc)
+        row = entry(cfg, result, stats, world)
         row["run_utc"] = [started.isoformat(), ended.isoformat()]
         peak_gib = max((m["peak_allocated"] or 0) for m in row["memory_mib"]) / 1024
         if cpu:
@@ -321,35 +396,46 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
+    nodes = from_args(args)
+    locate_model(base.model_name_or_path)  # at once, before torch loads
     cpu, nproc = processes(args.cpu, args.nproc)
+    world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
-    planned = plan(args.items, names, nproc)
+    planned = plan(args.items, names, world)
     errors = [cfg for _, cfg in planned if isinstance(cfg, ConfigError)]
     if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone
         raise errors[0]
     out_root = base.out_dir
-    out_root.mkdir(parents=True, exist_ok=True)
-    log = out_root / "dryrun.log"
-    log.write_text("")
     try:
         prep = prepare_for_training(base, cpu)
+        eval_prep = prepare_eval(base)
     except (PreflightError, DataError) as e:
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
         return 1
     stats = prep.report
+    owner = run_data_hash(out_root, training_only=True)
+    if owner and owner[0] != stats["cache_key"]:
+        print(f"tuneledger dryrun: {out_root} is a training run on data {owner[0]} ({owner[1]}), and this dry-run's data "
+              f"is {stats['cache_key']}. A run directory belongs to one data hash: give this one another run_name "
+              "(RUN=<name>).", file=sys.stderr)
+        return 1
     print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
           f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
+    out_root.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
+    log = out_root / f"dryrun{nodes.suffix()}.log"
+    log.write_text("")
     topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
     # NVML from this (launcher) process: it holds no CUDA context, sees every GPU, and its rows go
     # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.
     sampler = None
     if not cpu:
-        from tuneledger.monitor import InProcessSampler
+        from tuneledger.monitor.sampler import InProcessSampler
 
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
     try:
-        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results)
+        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes,
+                        eval_prep.path if eval_prep else None)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.
         print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)
@@ -357,6 +443,9 @@ def run(args: argparse.Namespace) -> int:
 
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
+    if not nodes.first:
+        print(f"node {nodes.node_rank}: {len(done)} preset(s) ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
+        return 0 if done else 1
     for r in done:
         r.update(verdict(r, samples, nproc))
     first = next(iter(results.values()), None)
@@ -364,22 +453,31 @@ def run(args: argparse.Namespace) -> int:
         "run_name": base.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "model": base.model_name_or_path,
         "synthetic": bool(first and first["model"]["synthetic"]),
-        "world_size": nproc, "backend": "gloo" if cpu else "nccl",
+        "world_size": world, "backend": "gloo" if cpu else "nccl",
         "gpu": first["ranks"][0]["gpu_name"] if first else ("cpu" if cpu else "?"),
-        "topology": topo, "versions": versions(), "dataset": base.dataset, "data_hash": stats["cache_key"],
+        "topology": topo, "versions": versions(cpu), "dataset": base.dataset, "data_hash": stats["cache_key"],
         "data_files": stats["data_files"], "stats": stats, "global_batch_size": base.global_batch_size,
         "dryrun_steps": base.dryrun_steps, "warmup_steps": base.dryrun_warmup_steps,
         "config": base.model_dump(), "presets": rows, "finding": finding(rows),
         "windows": [{"label": f"preset {r['preset']}", "start": r["window_utc"][0], "end": r["window_utc"][1]} for r in done],
         "verdicts": {r["preset"]: r["diagnosis"]["line"] + " Lever: " + r["diagnosis"]["lever"] for r in done},
     }
+    if nodes.multi:
+        first_dir = out_root / "dryrun" / (done[0]["preset"] if done else "-")
+        led["nodes"] = summary(nodes, nproc, first, first_dir / "nccl")
     if samples and any(s.get("status") == "ok" for s in samples):
-        from tuneledger.monitor import parse_time, plot
+        from tuneledger.monitor.plot import plot
+        from tuneledger.monitor.rows import parse_time
 
         png = out_root / "dryrun-gpus.png"
         plot(samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],
-             title=f"dry-run {base.run_name}: {nproc} x GPU")
+             title=f"dry-run {base.run_name}: {world} x GPU")
         led["plot"] = str(png)
+    from tuneledger.plots import dryrun_plot
+
+    png = dryrun_plot(rows, out_root / "dryrun.png", f"dry-run {base.run_name}: {nproc} x {led['gpu']}")
+    if png:
+        led["comparison_plot"] = str(png)
     ledger.write(out_root, "dryrun", led, markdown(led))
     print()
     print_table(led)
@@ -395,4 +493,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
     p.add_argument("--no-fit-check", action="store_true", help="skip the capped run that proves a 24 GB fit")
+    add_node_arguments(p)
     p.set_defaults(func=run)

@@ -44,8 +44,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from tuneledger.launch import last_checkpoint
+from tuneledger.launch import best_checkpoint, last_checkpoint
 from tuneledger.model import PreflightError, load_tokenizer, read_model_config
+from tuneledger.perms import apply_umask
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
@@ -53,10 +54,53 @@ RTOL = {"bf16": 0.25, "fp32": 1e-4}  # part 3 of the verification (module doc)
 MERGE_RTOL = 1e-3  # part 1: fp32 merged against fp32 base + adapter
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import os
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    return False  # EINVAL/ENOSYS: the filesystem cannot; the two-rename swap below is used
+
+
+def _recover(out: Path) -> None:
+    """Finish a swap that a kill interrupted: `<out>.old` without `out` is the whole previous
+    export (put back); beside `out` it is the replaced one (removed)."""
+    old = out.with_name(out.name + ".old")
+    if old.exists():
+        if out.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(out)
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Put the whole directory `new` at `out`, so that `out` always holds one whole version: an
+    atomic exchange where the kernel has one; else rename the old one aside, the new one in, and
+    only then delete the old one (a kill between the two renames is undone by _recover)."""
+    if not out.exists():
+        new.rename(out)
+        return
+    if _exchange(new, out):
+        shutil.rmtree(new)  # now the previous version
+        return
+    old = out.with_name(out.name + ".old")
+    out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old)
+
+
 @contextmanager
 def atomic_dir(out: Path) -> Iterator[Path]:
-    """Yields an empty `<out>.partial` to write into. On success it replaces `out` whole; on any
-    failure (an exception, Ctrl-C) it is removed and `out` stays as it was: nothing half-written."""
+    """Yields an empty `<out>.partial` to write into. On success it replaces `out` whole (swap_in);
+    on any failure (an exception, Ctrl-C) it is removed and `out` stays as it was."""
+    _recover(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -64,9 +108,7 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    swap_in(tmp, out)
 
 
 class ExportError(RuntimeError):
@@ -74,9 +116,17 @@ class ExportError(RuntimeError):
 
 
 def find_checkpoint(path: Path) -> Path:
-    """`path` itself if it holds an adapter, else its newest complete checkpoint-N."""
+    """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
+    is the run's checkpoint with the lowest eval loss (launch.best_checkpoint)."""
     if (path / "adapter_config.json").is_file():
         return path
+    if path.name == "checkpoint-best" and not path.exists():
+        best = best_checkpoint(path.parent)
+        if not best:
+            raise ExportError(f"{path.parent} has no checkpoint with an eval loss: the run needs eval data (val_size or "
+                              "eval_dataset) and a checkpoint at an eval step (eval_steps defaults to save_steps)")
+        print(f"best checkpoint: {best[0]} (eval loss {best[1]:.4f})", flush=True)
+        return Path(best[0])
     found = last_checkpoint(path, require=("adapter_config.json",))
     if not found:
         if not path.exists():
@@ -272,6 +322,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
             "samples": [tokenizer.decode(g["tokens"], skip_special_tokens=False) for g in got[:2]],
         }
         (tmp / "export.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False))
+        apply_umask(tmp)  # safetensors wrote model.safetensors 0600
     return ledger
 
 

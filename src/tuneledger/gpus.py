@@ -27,7 +27,8 @@ import os
 import sys
 from typing import Any
 
-from tuneledger.monitor import Monitor, PynvmlBackend
+from tuneledger.monitor.backends import PynvmlBackend
+from tuneledger.monitor.sampler import Monitor
 
 # Default for --max-used-mib. An idle GPU with no context should read near 0 (NVML memory v2
 # leaves the driver's reservation out; what an idle H200 reads is for the device run to confirm);
@@ -47,7 +48,7 @@ def _gib(mib: float) -> str:
 
 
 def verdict(row: dict, max_used_mib: float = MAX_USED_MIB) -> tuple[str, str]:
-    """("free" | "busy" | "unknown", reason) for one monitor row (monitor.sample's dict).
+    """("free" | "busy" | "unknown", reason) for one monitor row (monitor.sampler.sample's dict).
 
     free: memory used < max_used_mib and no compute process. When NVML cannot list processes the
     verdict rests on memory alone and the reason says so. A row that is not ok is "unknown".

@@ -1,11 +1,14 @@
 """Start the per-rank workers with torchrun, one process per GPU (gloo processes on a CPU).
 
 The rendezvous port is picked free by the OS each time: the field notes hit 'Address already in
-use' on torchrun's default 29500 when a second job shared the machine.
+use' on torchrun's default 29500 when a second job shared the machine. Nothing listens beyond
+loopback: the rendezvous store is bound to 127.0.0.1 (tuneledger.torchrun) and the ranks' gloo
+and NCCL sockets to `lo` (docs/security.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
+from tuneledger.config import ConfigError
+from tuneledger.nodes import Nodes, nccl_env
 
 # The last line of a Python traceback, with or without torchrun's "[rankN]: " prefix.
 ROOT_CAUSE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:.*)$")
@@ -38,14 +43,104 @@ def processes(cpu: bool, nproc: int | None) -> tuple[bool, int]:
     """(CPU run?, number of ranks): every visible GPU; with none (or `cpu`), 2 gloo processes, so
     the DDP path still runs. An explicit `nproc` wins."""
     gpus = 0 if cpu else visible_gpus()
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc / NPROC must be at least 1, got {nproc}")
+    if gpus and nproc and nproc > gpus:
+        # Two ranks on one GPU would each hold a whole model copy and fight for its memory.
+        raise ConfigError(f"NPROC={nproc} processes asked for, but {gpus} GPU(s) are visible"
+                          f"{' (CUDA_VISIBLE_DEVICES=' + os.environ['CUDA_VISIBLE_DEVICES'] + ')' if os.environ.get('CUDA_VISIBLE_DEVICES') else ''}: "
+                          f"DDP runs one process per GPU. Set NPROC to {gpus} or fewer, or leave it unset for every visible GPU.")
     return gpus == 0, nproc or gpus or 2
 
 
 def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
-    """The newest complete checkpoint-N in out_dir (one with trainer_state.json and `require`)."""
-    done = [p for p in Path(out_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
-            and all((p / f).is_file() for f in ("trainer_state.json", *require))]
-    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+    """The newest checkpoint-N in out_dir whose manifest verifies (checkpoints.problem), or None.
+    `require`: files it must also hold."""
+    from tuneledger.checkpoints import problem, step_of
+
+    done = [p for p in Path(out_dir).glob("checkpoint-*") if step_of(p) is not None
+            and all((p / f).is_file() for f in require)]
+    for p in sorted(done, key=step_of, reverse=True):
+        if problem(p) is None:
+            return str(p)
+    return None
+
+
+def best_checkpoint(out_dir: Path) -> tuple[str, float] | None:
+    """(path, eval loss) of the complete checkpoint-N with the lowest eval loss, or None when no
+    checkpoint was evaluated. The losses are the newest checkpoint's log history (an eval at step N
+    runs before the save at step N, so it is in checkpoint-N's state)."""
+    newest = last_checkpoint(out_dir)
+    if not newest:
+        return None
+    history = json.loads((Path(newest) / "trainer_state.json").read_text()).get("log_history", [])
+    losses = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
+    from tuneledger.checkpoints import problem, step_of
+
+    done = {step_of(p): p for p in Path(out_dir).glob("checkpoint-*") if step_of(p) is not None and problem(p) is None}
+    scored = sorted((losses[step], step) for step in done if step in losses)
+    return (str(done[scored[0][1]]), scored[0][0]) if scored else None
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun's ranks), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends SIGTERM when the launcher dies (PR_SET_PDEATHSIG),
+    so a kill -9 of `tuneledger train` does not leave torchrun and its ranks training as orphans."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+
+
+class _Stopper:
+    """The launcher's SIGTERM/SIGINT/SIGHUP handler: pass SIGTERM straight to the ranks (not to
+    torchrun, whose own handler SIGKILLs them after 30 s), and SIGKILL everything after the grace
+    period or at a second Ctrl-C."""
+
+    def __init__(self, proc: subprocess.Popen, grace_s: float):
+        self.proc, self.grace_s = proc, grace_s
+        self.signal: str | None = None
+        self.killed = False
+        self.timer: threading.Timer | None = None
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            if signum == signal.SIGINT:
+                self.kill()
+            return
+        self.signal = name
+        ranks = _child_pids(self.proc.pid)
+        print(f"\n{name}: asking the {len(ranks)} rank(s) to finish their step and save (up to "
+              f"{self.grace_s:g} s, stop_grace_period_s){'; Ctrl-C again to kill them now' if signum == signal.SIGINT else ''}",
+              file=sys.stderr, flush=True)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        self.timer = threading.Timer(self.grace_s, self.kill)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def kill(self):
+        if self.proc.poll() is not None:
+            return
+        self.killed = True
+        for pid in _child_pids(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # torchrun starts each rank in its own session
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
 
 
 class Terminated(Exception):
@@ -56,37 +151,83 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
-def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None) -> int:
+def torchrun_command(nproc: int, port: int, target: list[str], extra: list[str] = ()) -> list[str]:
+    """torchrun for one node, its rendezvous store listening on 127.0.0.1 only (tuneledger.torchrun)."""
+    return [sys.executable, "-m", "tuneledger.torchrun", f"--nproc-per-node={nproc}", "--nnodes=1",
+            "--master-addr=127.0.0.1", f"--master-port={port}", *extra, *target]
+
+
+def loopback_env(env: dict) -> dict:
+    """Pin the ranks' gloo and NCCL sockets to the loopback interface: a single-node job needs no
+    other, and otherwise they listen on the host's address. Values already set are kept."""
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return env
+
+
+def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None, nodes: Nodes | None = None,
+                rdzv_id: str = "tuneledger") -> int:
     """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
 
-    Output streams to the terminal and, when `log_path` is given, to that file as well. Ctrl-C or
-    SIGTERM stops torchrun, which stops the ranks (SIGTERM, SIGKILL 30 s later), before this process
-    ends: each rank runs in a session of its own, so nothing else would reach it. SIGTERM exits 143.
+    Output streams to the terminal and, when `log_path` is given, to that file as well. With
+    `nodes` of several nodes, this node's ranks join the others through torchrun's c10d
+    rendezvous `rdzv_id` (tuneledger.nodes), and NCCL logs its transports under the job's out_dir.
+    In a training (job mode "train"), SIGTERM, SIGINT and SIGHUP go to the ranks, which finish
+    their step and save (`_Stopper`; killed after stop_grace_period_s). In a dry-run, Ctrl-C or
+    SIGTERM stops torchrun, which stops the ranks, and SIGTERM exits 143. torchrun runs in a
+    session of its own and dies with this process (PR_SET_PDEATHSIG), so no rank is left orphaned.
     """
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "tuneledger.trainer", str(job_path)]
-    env = dict(os.environ)
+    target = ["-m", "tuneledger.trainer", str(job_path)]
+    if nodes and nodes.multi:
+        # Several nodes: the store and the ranks must listen where the other nodes can reach them.
+        cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(nproc, rdzv_id), *target]
+        rendezvous = f"node {nodes.node_rank} of {nodes.nnodes}, c10d rendezvous {nodes.rdzv_endpoint} ({rdzv_id})"
+        env = dict(os.environ)
+    else:
+        port = free_port()
+        restarts = [f"--max-restarts={nodes.max_restarts}"] if nodes and nodes.max_restarts else []
+        cmd = torchrun_command(nproc, port, target, restarts)
+        rendezvous = f"rendezvous 127.0.0.1:{port}"
+        env = loopback_env(dict(os.environ))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NCCL_DEBUG", "WARN")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, nproc))))
     env["PYTHONUNBUFFERED"] = "1"
     if job.get("cpu"):
         env["CUDA_VISIBLE_DEVICES"] = ""
-    print(f"launch: {nproc} process(es), rendezvous 127.0.0.1:{port}", flush=True)
-    log = open(log_path, "a", encoding="utf-8") if log_path else None
+    elif nodes and nodes.multi:
+        env.update(nccl_env(Path(job["out_dir"]) / "nccl"))
+        if "NCCL_DEBUG_FILE" in env:
+            rendezvous += f"; NCCL's log in {Path(env['NCCL_DEBUG_FILE']).parent}"
+    print(f"launch: {nproc} process(es), {rendezvous}", flush=True)
+    # Line-buffered: after a kill -9 or a full disk the log holds every line up to then.
+    log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None
     causes: dict[str, None] = {}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    # Its own session: a terminal's Ctrl-C reaches this process only, which decides what the ranks get.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    stopper = _Stopper(proc, float(job.get("config", {}).get("stop_grace_period_s", 120)))
+    # A training stops cleanly (its ranks save); a dry-run is interrupted (KeyboardInterrupt) or
+    # terminated (Terminated, exit 143).
+    graceful = job.get("mode") == "train"
     main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread only
-    old_handler = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    saved = {}
+    if main:
+        saved = {s: signal.signal(s, stopper.handle) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)} if graceful \
+            else {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
+            sys.stdout.flush()
             if log:
-                log.write(line)
+                try:
+                    log.write(line)
+                except OSError as e:  # a full disk must not kill the launcher that reports it
+                    print(f"launch: cannot write {log_path} ({e}); the log goes on here only", file=sys.stderr)
+                    log = None
             cause = ROOT_CAUSE.match(line)
             if cause and "ChildFailedError" not in line:
                 causes[cause.group(1).strip()] = None
@@ -94,18 +235,25 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     except (KeyboardInterrupt, Terminated) as stop:
         if main:  # a second SIGTERM must not cut the wait for the ranks short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        proc.terminate()
+        proc.terminate()  # torchrun passes SIGTERM on to the ranks
         proc.wait()
         print(f"\n{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'terminated (SIGTERM)'}: the ranks "
-              "were stopped; the same command again resumes from the last checkpoint", file=sys.stderr, flush=True)
+              "were stopped", file=sys.stderr, flush=True)
         if isinstance(stop, Terminated):
             raise SystemExit(128 + signal.SIGTERM) from None
         raise
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, old_handler)
+        for sig, h in saved.items():
+            signal.signal(sig, h)
+        if stopper.timer:
+            stopper.timer.cancel()
         if log:
-            log.close()
+            with contextlib.suppress(OSError):
+                log.close()
+    if stopper.killed:
+        print(f"the ranks did not stop within stop_grace_period_s={stopper.grace_s:g} s of {stopper.signal} and were "
+              "killed; the same command resumes from the last good checkpoint", file=sys.stderr, flush=True)
+        return 124
     if rc != 0 and causes:
         # A failed rank buries its error in every rank's traceback and torchrun's own: say it once.
         print("\nworker error: " + "\n              ".join(list(causes)[-3:]), file=sys.stderr, flush=True)

@@ -9,7 +9,11 @@ Everything here is arithmetic on measured values; nothing is assumed. Formulas:
   matmul parameters (lm_head included, embedding not), peak = the bf16 matmul rate measured on
   the same GPU in the same run (the convention of ../shared/notes/h200-baseline.md);
 - all-reduce bus bandwidth as nccl-tests: bytes / t x 2 (n - 1) / n;
-- ETA = total steps x s/step + checkpoints x save time (the field report's method).
+- ETA = total steps x s/step + checkpoints x save time (the field report's method);
+- two presets tie when their tokens/s ranges (tokens per step / p90 .. / p10 step time) overlap;
+  the steps that would separate them are those at which the difference of their mean tokens/s
+  is 2 standard errors: n = 4 (cv_a^2 + cv_b^2) / d^2, cv = standard deviation / mean of one
+  preset's step times, d = the relative difference of their tokens/s (`steps_to_separate`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def _spread(xs: list[float]) -> dict:
     s = sorted(xs)
     pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
     return {"mean": _mean(xs), "median": statistics.median(xs), "p10": pick(0.1), "p90": pick(0.9),
-            "min": s[0], "max": s[-1]}
+            "min": s[0], "max": s[-1], "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0}
 
 
 def summarize_run(result: dict, warmup: int) -> dict:
@@ -98,7 +102,7 @@ def summarize_run(result: dict, warmup: int) -> dict:
         "tokens_per_step": tokens / len(steady),
         "split": parts,
         "memory_mib": [{"rank": r["rank"], "gpu": r["gpu_name"], "peak_allocated": r["peak_allocated_mib"],
-                        "peak_reserved": r["peak_reserved_mib"]} for r in result["ranks"]],
+                        "peak_reserved": r["peak_reserved_mib"], "peak_rss": r.get("peak_rss_mib")} for r in result["ranks"]],
     }
 
 
@@ -116,20 +120,85 @@ def mfu(tokens_per_s: float, matmul_params: int, gradient_checkpointing: bool, w
     return tokens_per_s * k * matmul_params / world / peak_flops
 
 
-def eta(total_steps: int, s_per_step: float, save_steps: int, save_s: float) -> dict:
-    """Full-run estimate: steps x s/step + floor(steps / save_steps) x save time, in s and h."""
+def eta(total_steps: int, s_per_step: float, save_steps: int, save_s: float, evals: int = 0, eval_s: float = 0.0) -> dict:
+    """Full-run estimate: steps x s/step + floor(steps / save_steps) x save time + evaluations x
+    the time of one evaluation (measured on a sample of the eval records, scaled to all), in s and h."""
     saves = total_steps // save_steps if save_steps else 0
-    total = total_steps * s_per_step + saves * save_s
+    total = total_steps * s_per_step + saves * save_s + evals * eval_s
     return {"total_steps": total_steps, "checkpoints": saves, "train_s": total_steps * s_per_step,
-            "save_s": saves * save_s, "total_s": total, "total_h": total / 3600}
+            "save_s": saves * save_s, "evaluations": evals, "eval_s": evals * eval_s, "total_s": total,
+            "total_h": total / 3600}
 
 
 def total_steps(stats: dict, cfg: Any) -> int:
+    """max_steps, else ceil(ceil(training records / cfg's global batch) x epochs); the training
+    records exclude the held-out share (val_size)."""
     if cfg.max_steps and cfg.max_steps > 0:
         return cfg.max_steps
     import math
 
-    return math.ceil(stats["steps_per_epoch"] * cfg.num_train_epochs)
+    train = stats.get("train_records", stats["records"]["valid"])
+    return math.ceil(math.ceil(train / cfg.global_batch_size) * cfg.num_train_epochs)
+
+
+def evaluations(total_steps: int, cfg: Any, steps_per_epoch: int) -> int:
+    """How many evaluations a run of `total_steps` makes: every eval_steps (default save_steps), or
+    once per epoch; 0 when it does not evaluate."""
+    if not cfg.evaluates:
+        return 0
+    if cfg.eval_strategy == "epoch":
+        return max(1, total_steps // max(1, steps_per_epoch))
+    return total_steps // (cfg.eval_steps or cfg.save_steps)
+
+
+def tokens_per_s_range(row: dict) -> tuple[float, float]:
+    """(low, high) tokens/s of a ledger row: its tokens per step over its p90 and p10 step times."""
+    spread = row["step_spread"]
+    return row["tokens_per_step"] / spread["p90"], row["tokens_per_step"] / spread["p10"]
+
+
+def overlap(a: dict, b: dict) -> bool:
+    """Whether two ledger rows' p10-p90 tokens/s ranges overlap: the measurement cannot order them."""
+    (a_lo, a_hi), (b_lo, b_hi) = tokens_per_s_range(a), tokens_per_s_range(b)
+    return a_lo <= b_hi and b_lo <= a_hi
+
+
+def steps_to_separate(a: dict, b: dict) -> int | None:
+    """Steady steps per preset at which the tokens/s of rows `a` and `b` would differ by 2 standard
+    errors of their means (formula in the module doc); None when their means are equal."""
+    def cv(row: dict) -> float:
+        spread = row["step_spread"]
+        # Ledgers written before "sd" was kept: a normal distribution's p90 - p10 is 2.56 sd.
+        sd = spread.get("sd", (spread["p90"] - spread["p10"]) / 2.56)
+        return sd / row["s_per_step"]
+
+    d = abs(a["tokens_per_s"] - b["tokens_per_s"]) / max(a["tokens_per_s"], b["tokens_per_s"])
+    if d == 0:
+        return None
+    import math
+
+    return max(2, math.ceil(4 * (cv(a) ** 2 + cv(b) ** 2) / d**2))
+
+
+def run_loss(log_history: list[dict], resumed_step: int = 0) -> dict:
+    """The training loss of a whole run from its logged losses (trainer_state's log_history, which a
+    resume carries over).
+
+    Each logged loss is the mean over the steps since the previous log (or since the resume, when
+    the run resumed in between), so the run's mean is their mean weighted by those step counts.
+    transformers' own `train_loss` divides the resumed part's loss sum by every step of the run, so
+    after a resume it reads low. Returns {"mean", "last", "last_step", "steps_covered"}; the
+    losses are None when nothing was logged.
+    """
+    total, covered, prev, last, last_step = 0.0, 0, 0, None, 0
+    for h in log_history:
+        if "loss" not in h or "step" not in h:
+            continue
+        start = resumed_step if prev < resumed_step < h["step"] else prev
+        n = max(0, h["step"] - start)
+        total, covered = total + h["loss"] * n, covered + n
+        prev, last, last_step = h["step"], h["loss"], h["step"]
+    return {"mean": total / covered if covered else None, "last": last, "last_step": last_step, "steps_covered": covered}
 
 
 def fmt_h(seconds: float) -> str:

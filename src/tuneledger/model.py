@@ -12,6 +12,7 @@ gradient checkpointing. bench/results has the measured difference.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -26,18 +27,78 @@ class PreflightError(RuntimeError):
     """A check that runs before weights load failed. The message says what to fix."""
 
 
+def hub_offline() -> str | None:
+    """Why the model hub cannot be reached right now, or None when it may be.
+
+    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE say so; otherwise a TCP connection to HF_ENDPOINT's host
+    (or the https proxy) must open within 1.5 s. Without this, transformers retries an unreachable
+    hub for about a minute before it fails.
+    """
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]}"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    proxy = (os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")) if endpoint.startswith("https") else None
+    return _unreachable(proxy or endpoint, "proxy " if proxy else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _unreachable(url: str, what: str) -> str | None:
+    """Why a TCP connection to `url`'s host cannot open within 1.5 s, or None (once per process)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    target = urlsplit(url)
+    try:
+        port = target.port or (443 if target.scheme == "https" else 80)
+        socket.create_connection((target.hostname, port), timeout=1.5).close()
+    except (OSError, ValueError) as e:
+        return f"{what}{url} unreachable: {getattr(e, 'strerror', None) or e}"
+    return None
+
+
+def looks_like_path(name: str) -> bool:
+    """True when `name` is meant as a local path, never a hub id (`org/name` or `name`): it starts
+    with '.', '/' or '~', has more than one '/', or its parent directory exists here."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        return True
+    return "/" in name and Path(name).parent.is_dir()
+
+
+def locate_model(name: str) -> Path | None:
+    """The local directory `name` (model_name_or_path) names, or None for a hub id the hub may serve.
+
+    The one check every verb makes before it loads a config, tokenizer or weights. Raises
+    PreflightError at once, saying how to get the model, when `name` is a path that is not a
+    directory (see `looks_like_path`), or when it is not a local directory and the hub is offline.
+    """
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise PreflightError(f"model {name} is a file, not a model directory")
+    if looks_like_path(name):
+        raise PreflightError(f"model {name}: no such directory (relative to {Path.cwd()}). `make fetch MODEL=<hub id>` "
+                             f"downloads a model into models/<name>: `make fetch MODEL=Qwen/{local.name}` makes "
+                             f"models/{local.name}.")
+    offline = hub_offline()
+    if offline:
+        raise PreflightError(f"model {name}: no such directory, and the hub is offline ({offline}). `make fetch "
+                             f"MODEL={name}` downloads it into models/{local.name} where the hub, or a mirror set in "
+                             f"HF_ENDPOINT, is reachable; then use MODEL=models/{local.name}.")
+    return None
+
+
 def read_model_config(name_or_path: str) -> dict:
     """config.json of a local model directory or a hub repo (that one file only, honouring HF_ENDPOINT).
 
     Raises PreflightError when it cannot be found or read.
     """
-    local = Path(name_or_path)
-    if local.is_dir():
+    local = locate_model(name_or_path)
+    if local is not None:
         path = local / "config.json"
         if not path.is_file():
             raise PreflightError(f"{local} has no config.json: is it a model directory?")
-    elif local.exists() or name_or_path.startswith((".", "/")):
-        raise PreflightError(f"model path {name_or_path} is not a directory")
     else:
         try:
             from huggingface_hub import hf_hub_download
@@ -67,33 +128,90 @@ def check_text_causal_lm(config: dict, name: str) -> None:
         raise PreflightError(f"{name}: architectures={archs} has no *ForCausalLM; tuneledger fine-tunes causal LMs only")
 
 
+def check_remote_code(config: dict, name: str, trust: bool) -> str:
+    """Refuse a model that ships its own Python code (`auto_map` in config.json); return a line.
+
+    trust_remote_code would run that code in every rank. The models this tool trains are built
+    into transformers, so `trust_remote_code: true` (common in LLaMA-Factory configs) is accepted
+    and has no effect; the line says so, loudly, for the log and the ledger.
+    Raises PreflightError naming the auto_map entries.
+    """
+    auto_map = config.get("auto_map")
+    if auto_map:
+        raise PreflightError(f"{name} ships its own Python code (config.json auto_map: {sorted(auto_map)}); tuneledger "
+                             "never runs a model's code (trust_remote_code). Use a transformers-native variant of the model.")
+    if trust:
+        return (f"NOTE trust_remote_code: true has no effect: {name} is built into transformers "
+                f"({config.get('model_type', '?')}), so no code from the model folder runs")
+    return "remote code: none (the model is built into transformers)"
+
+
 def is_synthetic(config: dict) -> bool:
     return "tuneledger_synthetic" in config
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """The model's tokenizer, with a pad token distinct from eos.
+    """The model's tokenizer, with a pad token that is an existing token (distinct from eos if possible).
 
-    Pad == eos would mask the end-of-turn token out of the loss wherever padding is masked, and
-    the model then never learns to stop. If the tokenizer has no distinct pad, `<|endoftext|>`
-    (or an added `<|pad|>`) becomes pad. Raises PreflightError if there is no chat template.
+    No token is ever added: a new `<|pad|>` gets the id len(vocab), which can lie past the
+    model's embedding rows (an IndexError on the first padded batch). Without a pad token, the
+    first of `<|endoftext|>`, `<|pad|>`, unk that exists becomes pad, else eos itself. Pad == eos is
+    safe here: labels are built per token (padding gets -100, attention_mask 0), never derived
+    from input_ids == pad, so the end-of-turn token stays supervised. Raises PreflightError if
+    there is no chat template or no eos.
     """
+    local = locate_model(name_or_path)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    tok = AutoTokenizer.from_pretrained(str(local) if local is not None else name_or_path)
     fix_end_of_turn(tok)
     if not tok.chat_template:
         raise PreflightError(f"tokenizer of {name_or_path} has no chat_template; use an -Instruct model or add one")
     if tok.eos_token is None:
         raise PreflightError(f"tokenizer of {name_or_path} has no eos_token")
     if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
-        candidates = [t for t in ("<|endoftext|>", "<|pad|>") if t in tok.get_vocab() and t != tok.eos_token]
-        if candidates:
-            tok.pad_token = candidates[0]
-        else:
-            tok.add_special_tokens({"pad_token": "<|pad|>"})
+        vocab = tok.get_vocab()
+        candidates = [t for t in ("<|endoftext|>", "<|pad|>", tok.unk_token) if t and t in vocab and t != tok.eos_token]
+        tok.pad_token = candidates[0] if candidates else tok.eos_token
     tok.padding_side = "right"
     return tok
+
+
+def align_special_tokens(model: Any, tok: Any) -> None:
+    """Give the model's config and generation config the tokenizer's eos, bos and pad ids.
+
+    transformers' Trainer does the same alignment itself, and then warns about it on every rank
+    of every launch; done here first, there is nothing left for it to change or say. eos stays a
+    list in the generation config, the tokenizer's first, so any of the model's own still stops it.
+    """
+    config, gen = model.config, getattr(model, "generation_config", None)
+    config.eos_token_id, config.bos_token_id, config.pad_token_id = tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
+    if gen is not None:
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+        gen.eos_token_id = [tok.eos_token_id] + [e for e in eos if e is not None and e != tok.eos_token_id]
+        gen.bos_token_id, gen.pad_token_id = tok.bos_token_id, tok.pad_token_id
+
+
+def check_embedding_rows(tok: Any, config: dict, name: str) -> str:
+    """Refuse a tokenizer that can produce ids past the model's embedding rows (an IndexError in
+    the first forward pass otherwise). `config` is the model's config.json. Returns a line for the log.
+
+    Raises PreflightError naming the token, its id and the number of rows.
+    """
+    rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not rows:
+        return "tokenizer: the model config has no vocab_size to check the ids against"
+    for what in ("pad", "eos"):
+        token, tid = getattr(tok, f"{what}_token"), getattr(tok, f"{what}_token_id")
+        if tid is not None and tid >= rows:
+            raise PreflightError(f"tokenizer of {name}: the {what} token {token!r} has id {tid:,}, but the model has "
+                                 f"only {rows:,} embedding rows (ids 0..{rows - 1:,}); use the tokenizer that came with "
+                                 "the model, or one whose special tokens lie inside its vocabulary")
+    if len(tok) > rows:
+        raise PreflightError(f"tokenizer of {name} has {len(tok):,} tokens, but the model has only {rows:,} embedding "
+                             f"rows: ids {rows:,}..{len(tok) - 1:,} would fail in the first forward pass; use the "
+                             "tokenizer that came with the model")
+    return f"tokenizer: {len(tok):,} tokens within the model's {rows:,} embedding rows, pad {tok.pad_token!r}"
 
 
 def fix_end_of_turn(tok: Any) -> None:
@@ -125,7 +243,8 @@ def attention_backend(requested: str, device_type: str) -> str:
 
 
 def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
-    """Load the base model on `device` (4-bit when `quantization_bit` is 4) and wrap it with LoRA.
+    """Load the base model on `device` (4-bit when `quantization_bit` is 4) and wrap it with LoRA,
+    initialised from `cfg.seed`.
 
     Returns (peft model, info) where info has trainable/total parameters, attention backend,
     dtype and whether the model is synthetic. Raises PreflightError for 4-bit without CUDA.
@@ -160,6 +279,11 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     model.enable_input_require_grads()
 
     target = "all-linear" if cfg.lora_target == "all" else [t.strip() for t in cfg.lora_target.split(",")]
+    # The LoRA A matrices are drawn at random here, before the Trainer seeds anything: seed first,
+    # so the same seed gives the same adapter (and the same first losses).
+    from transformers import set_seed
+
+    set_seed(cfg.seed)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)

@@ -1,7 +1,8 @@
 """`tuneledger preflight`: the checks that run before any weights load, each failing in seconds.
 
-- the logging backend asked for imports (a missing tensorboard crashed the field report's run
-  only after the 7B model had loaded);
+- the logging backend asked for imports and writes, as the run will import it (a missing
+  tensorboard crashed the field report's run only after the 7B model had loaded; one too old for
+  torch.utils.tensorboard passed a bare `import tensorboard`);
 - bitsandbytes' CUDA library loads when quantization is on;
 - the output filesystem has room for the checkpoints to keep;
 - the model's config.json is read first and is a text causal LM (a VL variant is refused before
@@ -11,22 +12,45 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import shutil
 from pathlib import Path
 from typing import Any
 
 from tuneledger.config import JobConfig, from_cli
-from tuneledger.model import PreflightError, check_text_causal_lm, is_synthetic, read_model_config
+from tuneledger.model import PreflightError, check_remote_code, check_text_causal_lm, is_synthetic, read_model_config
+
+
+def tensorboard_problem() -> str | None:
+    """Why TensorBoard logging would not work in this environment, or None.
+
+    Does what the run does: transformers' TensorBoardCallback imports
+    `torch.utils.tensorboard.SummaryWriter` (which refuses tensorboard < 1.15, and fails on a
+    protobuf it cannot use), then writes events; so this imports it and writes one scalar to a
+    temporary folder. Any exception counts, not only ImportError.
+    """
+    import tempfile
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with tempfile.TemporaryDirectory() as tmp:
+            writer = SummaryWriter(log_dir=tmp)
+            writer.add_scalar("preflight", 1.0, 0)
+            writer.close()
+            if not list(Path(tmp).glob("events.out.tfevents.*")):
+                return "torch.utils.tensorboard wrote no event file"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
 
 
 def check_logging(cfg: JobConfig) -> str:
     if cfg.report_to == "tensorboard":
-        try:
-            importlib.import_module("tensorboard")
-        except ImportError:
-            raise PreflightError("report_to=tensorboard but tensorboard is not installed. Fix: pip install tensorboard "
-                                 "(it is in requirements.txt), or set report_to=none") from None
+        problem = tensorboard_problem()
+        if problem:
+            raise PreflightError(f"report_to=tensorboard but TensorBoard logging does not work here ({problem}). Fix: "
+                                 "pip install tensorboard (requirements.txt pins one that works with this torch), or set "
+                                 "report_to=none") from None
     return f"logging: {cfg.report_to}"
 
 
@@ -57,28 +81,64 @@ def checkpoint_bytes(cfg: JobConfig, config: dict) -> int:
     return per_layer * n_layers * 12
 
 
+def tokenizer_bytes(model: str) -> int:
+    """Bytes the tokenizer takes in every checkpoint, from a real save_pretrained into a temporary
+    folder (the Trainer saves it as a fast tokenizer: Qwen2.5's tokenizer.json alone is 11 MB)."""
+    import tempfile
+
+    from tuneledger.model import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer(model).save_pretrained(tmp)
+        return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+
+
+SMALL_FILES = 2**20  # trainer_state, scheduler, RNG states, README, configs: well under 1 MiB together
+
+
+def checkpoint_estimate(cfg: JobConfig, config: dict) -> tuple[int, str]:
+    """(bytes of one checkpoint, where the figure comes from). A sealed checkpoint of this run is a
+    real save and is used as is; otherwise LoRA weights + AdamW moments (checkpoint_bytes) plus a
+    real save of the tokenizer plus the small files."""
+    from tuneledger.checkpoints import scan, size_of
+
+    good, _ = scan(cfg.out_dir) if cfg.out_dir.is_dir() else (None, [])
+    if good:
+        return size_of(good), f"measured on {good.name}"
+    return checkpoint_bytes(cfg, config) + tokenizer_bytes(cfg.model_name_or_path) + SMALL_FILES, \
+        "LoRA weights + AdamW state + a real save of the tokenizer"
+
+
 def check_disk(cfg: JobConfig, config: dict) -> str:
-    need = checkpoint_bytes(cfg, config) * (cfg.save_total_limit or 10) * 1.1
+    """Room for save_total_limit + 1 checkpoints (the new one is written before the oldest is
+    rotated out), less those the run already holds. Raises PreflightError naming both figures."""
+    one, basis = checkpoint_estimate(cfg, config)
+    keep = cfg.save_total_limit or 10
+    have = len([p for p in cfg.out_dir.glob("checkpoint-*") if p.is_dir()]) if cfg.out_dir.is_dir() else 0
+    count = max(1, keep + 1 - have)
+    need = int(one * count * 1.1)
     out = cfg.out_dir
     probe = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     free = shutil.disk_usage(probe).free
     if free < need:
-        raise PreflightError(f"{probe} has {free / 1e9:.1f} GB free; {cfg.save_total_limit or 10} checkpoints need "
-                             f"~{need / 1e9:.1f} GB. Free space, lower save_total_limit, or set output_dir elsewhere")
-    return f"disk: {free / 1e9:.0f} GB free at {probe}, checkpoints need ~{need / 1e9:.2g} GB"
+        raise PreflightError(f"{probe} has {free:,} bytes free; {count} more checkpoints of {one:,} bytes ({basis}; "
+                             f"save_total_limit={keep} + 1 written before rotation) need {need:,} with 10% margin. "
+                             "Free space, lower save_total_limit, or set output_dir elsewhere")
+    return f"disk: {free / 1e9:.1f} GB free at {probe}, {count} checkpoints of {one / 1e6:.1f} MB need ~{need / 1e9:.2g} GB"
 
 
 def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
     """Run every check; return one line per check. Raises PreflightError on the first failure."""
+    config = read_model_config(cfg.model_name_or_path)  # first: a missing model is said before torch loads
     if cuda is None:
         import torch
 
         cuda = torch.cuda.is_available()
-    config = read_model_config(cfg.model_name_or_path)
     check_text_causal_lm(config, cfg.model_name_or_path)
     arch = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
     lines = [f"model: {cfg.model_name_or_path} ({arch}){' SYNTHETIC (random weights)' if is_synthetic(config) else ''}"]
-    lines += [check_logging(cfg), check_bitsandbytes(cfg, cuda), check_disk(cfg, config)]
+    lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
+              check_logging(cfg), check_bitsandbytes(cfg, cuda), check_disk(cfg, config)]
     return lines
 
 

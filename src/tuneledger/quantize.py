@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneledger.export import atomic_dir, run_conversations
+from tuneledger.perms import apply_umask
 
 SCHEMES = {"awq": {"symmetric": False, "method": "AWQModifier + QuantizationModifier"},
            "gptq": {"symmetric": True, "method": "GPTQModifier"}}
@@ -314,6 +315,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
             "samples": [tokenizer.decode(c) for c in got["continuations"][:2]],
         }
         (tmp / "quant.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False))
+        apply_umask(tmp)  # safetensors wrote its shards 0600
     return ledger
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from tuneledger.config import JobConfig, from_cli
 from tuneledger.data import DataError, Prepared, prepare
-from tuneledger.model import PreflightError, load_tokenizer
+from tuneledger.model import (PreflightError, check_embedding_rows, check_remote_code, check_text_causal_lm, load_tokenizer,
+                              read_model_config)
 
 SHOW_INVALID = 10  # printed; all of them go to invalid.jsonl
 
@@ -22,8 +24,15 @@ SHOW_INVALID = 10  # printed; all of them go to invalid.jsonl
 def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     """Why this dataset must not be trained on, or None. Shared by stats, dryrun and train."""
     rec = prep.report["records"]
+    if rec["total"] == 0:
+        return f"no record in {', '.join(cfg.dataset)}: the data files hold no record"
     if rec["valid"] == 0:
-        return f"no valid record in {', '.join(cfg.dataset)} ({rec['invalid']} invalid)"
+        kinds = "; ".join(f"{kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items())
+        example = f"; the first: {prep.invalid[0]}" if prep.invalid else ""
+        return f"no valid record in {', '.join(cfg.dataset)}: all {rec['invalid']:,} are invalid ({kinds}){example}"
+    if cfg.val_size and prep.report.get("train_records", 1) <= 0:
+        return (f"val_size={cfg.val_size:g} holds out all {rec['valid']} valid records of {', '.join(cfg.dataset)}: "
+                "nothing is left to train on; lower val_size")
     if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
         return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
                 f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
@@ -31,7 +40,14 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
 
 
 def load_prepared(cfg: JobConfig, progress: bool = True) -> Prepared:
+    """The model checks that need only config.json and the tokenizer (the same for stats, dryrun
+    and train: a VL variant, a tokenizer past the embedding rows), then the prepared data.
+    Raises PreflightError or DataError."""
+    config = read_model_config(cfg.model_name_or_path)
+    check_text_causal_lm(config, cfg.model_name_or_path)
+    check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code)
     tokenizer = load_tokenizer(cfg.model_name_or_path)
+    check_embedding_rows(tokenizer, config, cfg.model_name_or_path)
     return prepare(cfg, tokenizer, progress=progress)
 
 
@@ -46,13 +62,32 @@ def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
     for line in run_checks(cfg, cuda=not cpu):
         print(f"preflight ok: {line}")
     prep = load_prepared(cfg)
+    # What was left out is reported here exactly as `stats` reports it, and written beside the run.
+    rec = prep.report["records"]
+    print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
+          + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
+    print_invalid(prep, cfg)
+    write(prep, cfg)
     problem = gate(prep, cfg)
     if problem:
         raise DataError(problem)
     return prep
 
 
-def render(prep: Prepared, cfg: JobConfig) -> None:
+def prepare_eval(cfg: JobConfig) -> Prepared | None:
+    """The tokenized eval_dataset (same template, cutoff and placeholders as the training data), or
+    None without one. Raises DataError when it has no valid record."""
+    if not cfg.eval_dataset or cfg.eval_strategy == "no":
+        return None
+    ev = cfg.model_copy(update={"dataset": cfg.eval_dataset, "eval_dataset": None})
+    prep = load_prepared(ev)
+    if not prep.report["records"]["valid"]:
+        raise DataError(f"eval_dataset {', '.join(cfg.eval_dataset)}: no valid record ({prep.report['records']['invalid']} invalid)")
+    print(f"eval data: {prep.report['records']['valid']:,} records of {', '.join(cfg.eval_dataset)}")
+    return prep
+
+
+def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -62,6 +97,10 @@ def render(prep: Prepared, cfg: JobConfig) -> None:
     t.add_column("what", style="bold")
     t.add_column("value", justify="right")
     rec, tok, ln = r["records"], r["tokens"], r["length"]
+    t.add_row("model", cfg.model_name_or_path)
+    named = (f"{tokenizer.name_or_path} ({type(tokenizer).__name__}, {len(tokenizer):,} tokens), " if tokenizer is not None else "")
+    t.add_row("tokenizer", f"{named}fingerprint {r['tokenizer_fingerprint']}")
+    t.add_row("data hash (cache key)", r["cache_key"])
     t.add_row("records (total / valid / invalid)", f"{rec['total']:,} / {rec['valid']:,} / {rec['invalid']:,}")
     for reason, n in rec["invalid_by_reason"].items():
         t.add_row(f"  invalid: {reason}", f"{n:,}")
@@ -71,36 +110,74 @@ def render(prep: Prepared, cfg: JobConfig) -> None:
     t.add_row("length mean / median / p95 / max", f"{ln['mean']:,} / {ln['median']:,.0f} / {ln['p95']:,.0f} / {ln['max']:,}")
     t.add_row(f"records over cutoff_len ({r['cutoff_len']}, truncated)", f"{r['over_cutoff']:,}")
     t.add_row("records with 0 supervised tokens (left out)", f"{r['zero_supervised']:,}")
+    if r.get("eval_records"):
+        t.add_row(f"held out for evaluation (val_size={cfg.val_size:g}, seed {cfg.seed})", f"{r['eval_records']:,}")
     t.add_row(f"steps per epoch (global batch {r['global_batch_size']})", f"{r['steps_per_epoch']:,}")
     t.add_row("mean tokens per step", f"{r['tokens_per_step']:,.0f}")
     t.add_row("cache", f"{prep.path}{' (hit)' if prep.from_cache else ''}")
     console.print(t)
-    # Plain lines, never wrapped, so they grep.
+    print_invalid(prep, cfg)
+
+
+def print_invalid(prep: Prepared, cfg: JobConfig) -> None:
+    """The first SHOW_INVALID records left out, as plain lines (never wrapped, so they grep)."""
     for inv in prep.invalid[:SHOW_INVALID]:
         print(f"invalid {inv}")
     if len(prep.invalid) > SHOW_INVALID:
         print(f"... and {len(prep.invalid) - SHOW_INVALID} more in {cfg.out_dir / 'invalid.jsonl'}")
+    elif prep.invalid:
+        print(f"(all of them in {cfg.out_dir / 'invalid.jsonl'})")
 
 
-def write(prep: Prepared, cfg: JobConfig) -> None:
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+def run_data_hash(out_dir: Path, training_only: bool = False) -> tuple[str, str] | None:
+    """(data hash, the file that says so) of the run in `out_dir`, or None for a new run.
+
+    A run directory belongs to one data hash: the tokenized cache's key (data files' sha256,
+    tokenizer, template, cutoff_len, ...), the `data_hash` of the ledgers. The training run's
+    job.json decides first, then the dry-run ledger, then stats.json; `training_only` reads job.json alone.
+    """
+    sources = [("job.json", lambda d: Path(d["data_path"]).name)]
+    if not training_only:
+        sources += [("dryrun.json", lambda d: d["data_hash"]), ("stats.json", lambda d: d["cache_key"])]
+    for name, read in sources:
+        try:
+            return read(json.loads((out_dir / name).read_text())), str(out_dir / name)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def write(prep: Prepared, cfg: JobConfig) -> Path:
+    """Write stats.json and invalid.jsonl into the run directory, or, when that run belongs to
+    other data, stats-<hash>.json and invalid-<hash>.jsonl beside them. Returns the stats path."""
+    out_dir, key = cfg.out_dir, prep.report["cache_key"]
+    owner = run_data_hash(out_dir)
+    suffix = f"-{key}" if owner and owner[0] != key else ""
+    out_dir.mkdir(parents=True, exist_ok=True)
     out = dict(prep.report, dataset=cfg.dataset, model=cfg.model_name_or_path, template=cfg.template)
-    (cfg.out_dir / "stats.json").write_text(json.dumps(out, indent=1, ensure_ascii=False))
-    with open(cfg.out_dir / "invalid.jsonl", "w", encoding="utf-8") as f:
+    path = out_dir / f"stats{suffix}.json"
+    path.write_text(json.dumps(out, indent=1, ensure_ascii=False))
+    with open(out_dir / f"invalid{suffix}.jsonl", "w", encoding="utf-8") as f:
         for inv in prep.invalid:
             f.write(json.dumps(inv.as_dict(), ensure_ascii=False) + "\n")
+    if suffix:
+        print(f"{out_dir} belongs to data {owner[0]} ({owner[1]}); these stats are of other data ({key}), so they went "
+              f"to {path.name}, leaving the run's own stats.json as it was. To train on this data, give it a run of "
+              f"its own: RUN=<name> (run_name=<name>).")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = from_cli(args.items)
     try:
-        prep = load_prepared(cfg)
+        tokenizer = load_tokenizer(cfg.model_name_or_path)
+        prep = prepare(cfg, tokenizer)
     except (DataError, PreflightError) as e:
         print(f"tuneledger stats: {e}", file=sys.stderr)
         return 1
-    render(prep, cfg)
-    write(prep, cfg)
-    print(f"wrote {cfg.out_dir / 'stats.json'}")
+    render(prep, cfg, tokenizer)
+    path = write(prep, cfg)
+    print(f"wrote {path}")
     problem = gate(prep, cfg)
     if problem:
         print(f"tuneledger stats: {problem}", file=sys.stderr)

@@ -16,29 +16,89 @@ from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
-from tuneledger.config import describe, from_cli, resolve
-from tuneledger.launch import last_checkpoint, processes, run_workers
+from tuneledger.checkpoints import MANIFEST, REQUIRED, problem, scan, set_aside
+from tuneledger.config import JobConfig, describe, from_cli, resolve
+from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import total_steps
-from tuneledger.model import PreflightError
+from tuneledger.model import PreflightError, locate_model, read_model_config
+from tuneledger.nodes import add_arguments as add_node_arguments
+from tuneledger.nodes import from_args, summary
+from tuneledger.preflight import checkpoint_estimate
 from tuneledger.data import DataError
-from tuneledger.stats import prepare_for_training
+from tuneledger.runlock import RunLock, RunLocked
+from tuneledger.stats import prepare_eval, prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
+    nodes = from_args(args)
+    locate_model(base.model_name_or_path)  # at once, before torch loads
     cpu, nproc = processes(args.cpu, args.nproc)
-    cfg = resolve(base, nproc)
+    world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
+    cfg = resolve(base, world)
     out = cfg.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        # Each node's launcher holds its own lock in the shared run folder (run.lock, run-node1.lock).
+        with RunLock(out, f"run{nodes.suffix()}.lock") as lock:
+            if lock.stale:
+                print(f"note: {out / 'run.lock'} was left by pid {lock.stale.get('pid')} on {lock.stale.get('host')} "
+                      "(it is not running any more); taking it over")
+            return _run_locked(cfg, cpu, nproc, nodes)
+    except RunLocked as e:
+        print(f"tuneledger train: {e}", file=sys.stderr)
+        return 1
+
+
+def pick_checkpoint(cfg: JobConfig) -> tuple[str | None, str | None]:
+    """(checkpoint to resume from, or None; why the run must not start, or None).
+
+    `auto`: the newest checkpoint whose manifest verifies. Damaged newer ones are named in a
+    warning and renamed to damaged-checkpoint-N (kept; never deleted). If checkpoints exist but
+    none verifies, the run refuses rather than silently starting over. A path is used as given
+    if it verifies (or is an old checkpoint without a manifest but with every file a resume needs).
+    """
+    out = cfg.out_dir
+    if cfg.resume_from_checkpoint == "never":
+        return None, None
+    if cfg.resume_from_checkpoint != "auto":
+        path = Path(cfg.resume_from_checkpoint)
+        why = problem(path)
+        if why and (path / MANIFEST).is_file():
+            return None, f"resume_from_checkpoint={path} does not verify: {why}"
+        missing = [f for f in REQUIRED if not (path / f).is_file()]
+        if missing:
+            return None, (f"resume_from_checkpoint={path} lacks {', '.join(missing)}: resuming would reset the "
+                          "optimizer, the learning-rate schedule or the settings check")
+        return str(path), None
+    good, bad = scan(out)
+    if bad:
+        moved = set_aside(bad)
+        lines = "\n  ".join(f"{p.name}: {why} -> kept as {m.name}" for (p, why), m in zip(bad, moved))
+        print(f"WARNING: {len(bad)} checkpoint(s) in {out} do not verify and are skipped (not deleted):\n  {lines}",
+              file=sys.stderr, flush=True)
+        if good is None:
+            return None, (f"no checkpoint in {out} verifies (see above), so there is nothing safe to resume from. Start "
+                          "over with resume_from_checkpoint=never, or point resume_from_checkpoint at one you trust")
+    return (str(good) if good else None), None
+
+
+def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
+    world = nodes.world_size(nproc)
+    out = cfg.out_dir
     try:
         prep = prepare_for_training(cfg, cpu)
+        eval_prep = prepare_eval(cfg)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
-    from tuneledger.trainer import resume_conflicts  # torch: only once a run is asked for
+    out.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
+    from tuneledger.trainer import data_changes, resume_conflicts  # torch: only once a run is asked for
 
-    resume = None if cfg.resume_from_checkpoint == "never" else (
-        last_checkpoint(out) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint)
+    resume, refusal = pick_checkpoint(cfg)
+    if refusal:
+        print(f"tuneledger train: {refusal}", file=sys.stderr)
+        return 2
+    steps = total_steps(prep.report, cfg)
     if resume:
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
         conflicts = resume_conflicts(resume, cfg)
@@ -47,46 +107,116 @@ def run(args: argparse.Namespace) -> int:
                   + "\n  ".join(conflicts) + "\nResuming would silently train something else. Use another run_name "
                   "for the new settings, or resume_from_checkpoint=never to start this folder over.", file=sys.stderr)
             return 2
-        if state.get("max_steps") and state["global_step"] >= state["max_steps"]:
-            print(f"{out} is already trained: {resume} is step {state['global_step']} of {state['max_steps']}. "
+        changed = data_changes(resume, prep.report["data_files"])
+        if changed and not cfg.resume_on_changed_data:
+            print(f"tuneledger train: the data changed since {resume} was saved:\n  " + "\n  ".join(changed)
+                  + "\nResuming would go on training on other data than the run so far. Use another run_name, "
+                  "resume_from_checkpoint=never to start over, or resume_on_changed_data=true to resume anyway.",
+                  file=sys.stderr)
+            return 2
+        if changed:
+            print("WARNING: resuming on changed data (resume_on_changed_data=true):\n  " + "\n  ".join(changed),
+                  file=sys.stderr)
+        # The requested length, not the checkpoint's: raising max_steps / num_train_epochs goes on.
+        if state["global_step"] >= steps:
+            print(f"{out} is already trained: {resume} is step {state['global_step']} of {steps}. "
                   "Use another run_name for a new run, or raise max_steps / num_train_epochs to go on.")
             return 0
-        print(f"resuming from {resume} (step {state['global_step']})")
-    steps = total_steps(prep.report, cfg)
+        print(f"resuming from {resume} (step {state['global_step']} of {steps})")
+    held = prep.report.get("eval_records", 0)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
-          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}")
-    print(describe(cfg, nproc), flush=True)
+          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}"
+          + (f"; {held:,} records held out for evaluation (val_size={cfg.val_size:g}, seed {cfg.seed})" if held else ""))
+    if cfg.evaluates:
+        every = "each epoch" if cfg.eval_strategy == "epoch" else f"every {cfg.eval_steps or cfg.save_steps} steps"
+        print(f"evaluation {every}, micro-batch {cfg.per_device_eval_batch_size}; the best checkpoint is the one with "
+              "the lowest eval loss (make export RUN=... CHECKPOINT=best)")
+    print(describe(cfg, world) + (f" ({nodes.nnodes} nodes x {nproc})" if nodes.multi else ""), flush=True)
     job = {"mode": "train", "config": cfg.model_dump(), "data_path": str(prep.path), "out_dir": str(out),
-           "result_path": str(out / "train.json"), "cpu": cpu}
+           "result_path": str(out / "train.json"), "cpu": cpu, "resume": resume,
+           "eval_data_path": str(eval_prep.path) if eval_prep else None,
+           "data_files": prep.report["data_files"],
+           "checkpoint_bytes_estimate": checkpoint_estimate(cfg, read_model_config(cfg.model_name_or_path))[0],
+           "progress": {"label": f"train {cfg.run_name}", "started_wall": datetime.now(timezone.utc).timestamp()}}
+    result_path = out / "train.json"
+    if nodes.first:
+        result_path.unlink(missing_ok=True)  # a stale one must not pass for this run's result
     # GPU samples for the run's own window, as the dry-run takes them (from this launcher process).
     sampler = None
     if not cpu:
-        from tuneledger.monitor import InProcessSampler
+        from tuneledger.monitor.sampler import InProcessSampler
 
         sampler = InProcessSampler(interval=5.0, out_dir=out / "monitor").start()
     started = datetime.now(timezone.utc)
-    rc = run_workers(job, out / "job.json", nproc, out / "train.log")
+    log = out / f"train{nodes.suffix()}.log"
+    rc = run_workers(job, out / f"job{nodes.suffix()}.json", nproc, log, nodes, rdzv_id=cfg.run_name)
     rows = sampler.stop() if sampler else []
-    if rc != 0:
-        print(f"tuneledger train: a rank failed (exit {rc}); the log is {out / 'train.log'}. "
+    # torchrun exits non-zero when it was signalled itself (Slurm without B: signals every process),
+    # even though the ranks stopped cleanly and saved: their result says so.
+    stopped_cleanly = rc != 0 and result_path.is_file() and \
+        (json.loads(result_path.read_text()).get("stopped") or {}).get("reason") == "signal"
+    if rc != 0 and not stopped_cleanly:
+        print(f"tuneledger train: a rank failed (exit {rc}); the log is {log}. "
               "Start the same command again to resume from the last checkpoint.", file=sys.stderr)
         return rc
-    result = json.loads((out / "train.json").read_text())
+    if not nodes.first:  # torchrun returns once every node's ranks are done; node 0 writes the ledger
+        print(f"node {nodes.node_rank}: this node's ranks are done; node 0 completes {result_path}")
+        return 0
+    if not result_path.exists():
+        print(f"tuneledger train: the ranks finished but {result_path} is missing: rank 0 ran on another node. "
+              "runs/ must be one folder shared by every node (NFS, a PVC)", file=sys.stderr)
+        return 1
+    result = json.loads(result_path.read_text())
+    if nodes.multi:
+        result["nodes"] = summary(nodes, nproc, result, out / "nccl")
+        result_path.write_text(json.dumps(result, indent=1))
+        print(f"nodes: {nodes.nnodes} x {nproc} process(es): {', '.join(result['nodes']['hosts'])}; NCCL: "
+              f"{result['nodes']['nccl'] or 'n/a (gloo, or NCCL_DEBUG set elsewhere)'}")
+    stopped = result.get("stopped") or {}
+    if stopped.get("reason") == "nonfinite":
+        print(f"tuneledger train: loss {stopped['loss']} / grad norm {stopped['grad_norm']} at step {stopped['step']} "
+              f"(finite until step {stopped['last_finite_step']}): stopped, that step not saved; the last good "
+              f"checkpoint is {result['checkpoint']}. Lower learning_rate (now {cfg.learning_rate:g}) or check the "
+              "data, then start over with another run_name.", file=sys.stderr)
+        return 3
     if rows:
         from tuneledger.dryrun import used_gpus
-        from tuneledger.monitor import summarize_window
+        from tuneledger.monitor.summary import summarize_window
 
         gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
         result["gpu_window"] = gpu
-        (out / "train.json").write_text(json.dumps(result, indent=1))
+        result_path.write_text(json.dumps(result, indent=1))
         util, mem = gpu["util_mean_pct"], gpu["mem_peak_frac"]
         print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
               f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
               f"samples in {out / 'monitor'}")
-    print(f"done: {result['global_step']} steps, mean logged loss {result['train_loss']:.4f} (last "
-          f"{result['last_logged_loss']}), last checkpoint "
+    if cfg.report_to == "tensorboard" and result.get("report_to") != "tensorboard":
+        print("WARNING: report_to=tensorboard, but this run wrote no TensorBoard event file; train.json says "
+              "report_to: none", file=sys.stderr)
+    if stopped.get("reason") == "signal":
+        print(f"stopped by {stopped['signal']} after step {stopped['step']}: saved {result['checkpoint']}. "
+              "The same command resumes from it.")
+        return 0
+    print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
+    if result.get("eval"):
+        last = result["eval"][-1]
+        print(f"eval loss {last['eval_loss']:.4f} at step {last['step']} ({len(result['eval'])} evaluations of "
+              f"{result['eval_records']:,} records); best checkpoint {result['best_checkpoint'] or '- (no checkpoint at an eval step)'}"
+              + (f", eval loss {result['best_eval_loss']:.4f}" if result["best_checkpoint"] else ""))
+    if cfg.plot_loss and (out / "training_loss.png").is_file():
+        print(f"loss plot: {out / 'training_loss.png'}")
     return 0
+
+
+def loss_text(result: dict) -> str:
+    """The run's one loss line: the step-weighted mean of its logged losses and the last one."""
+    if result.get("train_loss") is None:
+        return "no loss was logged"
+    covered, steps = result.get("loss_steps_covered"), result["global_step"]
+    over = f"its {steps} steps" if covered in (None, steps) else f"the {covered} logged of its {steps} steps"
+    return (f"loss {result['train_loss']:.4f} (mean over {over}), last {result['last_logged_loss']:.4f} "
+            f"at step {result.get('last_logged_step', steps)}")
 
 
 def add_parser(sub: Any) -> None:
@@ -94,5 +224,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU through gloo even if GPUs are visible")
+    add_node_arguments(p)
     p.set_defaults(func=run)
 

@@ -13,18 +13,34 @@ boundary, before and after the optimizer and at step end, and reads them once af
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
+import resource
+import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from tuneledger import quiet
+
+quiet.install()  # before transformers and peft import bitsandbytes, which logs at import
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from tuneledger.checkpoints import CONFIG, DATA, size_of, write_manifest
 from tuneledger.config import JobConfig
-from tuneledger.launch import last_checkpoint
+from tuneledger.launch import best_checkpoint, last_checkpoint
+from tuneledger.ledger import run_loss
+from tuneledger.nodes import check_same_nodes, host_name
+from tuneledger.perms import apply_umask
+from tuneledger.progress import StepProgress
+from tuneledger.safeload import checkpoint_loading
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -124,19 +140,36 @@ class LedgerTrainer(Trainer):
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         return super().training_step(model, inputs, num_items_in_batch)
 
-    # Resuming on the pinned torch 2.5.1: see trusted_torch_load.
+    # Optimizer, scheduler and RNG state: loaded so that no code in them can run (safeload.py).
     def _load_optimizer_and_scheduler(self, checkpoint):
-        with trusted_torch_load(checkpoint, self.args.output_dir):
+        with checkpoint_loading():
             return super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_rng_state(self, checkpoint):
-        with trusted_torch_load(checkpoint, self.args.output_dir):
+        with checkpoint_loading():
             return super()._load_rng_state(checkpoint)
+
+    def _save_checkpoint(self, model, trial):
+        # A full disk mid-save: name the path, the bytes needed and free; the last good checkpoint stays.
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as e:
+            if not disk_full(e):
+                raise
+            ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            seal = next((c for c in self.callback_handler.callbacks if isinstance(c, SealCheckpoint)), None)
+            if self.is_world_process_zero():
+                shutil.rmtree(ckpt, ignore_errors=True)  # half-written: no use, and it holds space
+            raise DiskFullError(errno.ENOSPC, disk_full_message(ckpt, seal and seal.bytes, seal and seal.good)) from e
 
     def floating_point_ops(self, inputs) -> int:
         return 6 * self.n_params * inputs["input_ids"].numel()
 
     def log(self, logs: dict, *args, **kw) -> None:
+        if "train_runtime" in logs:
+            # The end-of-run metrics: their train_loss reads low after a resume (ledger.run_loss);
+            # `tuneledger train` prints the whole run's loss itself, once.
+            logs.pop("train_loss", None)
         if "loss" in logs and self.state.global_step:
             seen = int(self.tokens.item())
             now = time.perf_counter()
@@ -150,6 +183,15 @@ class LedgerTrainer(Trainer):
                 logs["eta_h"] = round(left * per_step / 3600, 3)
             self._log_tokens, self._log_time, self._log_step = seen, now, self.state.global_step
         super().log(logs, *args, **kw)
+
+
+class LogLastStep(TrainerCallback):
+    """Log at the last step too, so the run's loss covers its tail (transformers logs every
+    logging_steps only)."""
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
 
 
 class TokenSnapshot(TrainerCallback):
@@ -168,30 +210,248 @@ class TokenSnapshot(TrainerCallback):
 RESUME_KEYS = ("model_name_or_path", "dataset", "template", "default_system", "cutoff_len", "placeholders",
                "max_samples", "quantization_bit", "quantization_type", "double_quantization", "lora_rank",
                "lora_alpha", "lora_dropout", "lora_target", "global_batch_size", "learning_rate",
-               "lr_scheduler_type", "warmup_ratio", "seed")
-CONFIG_IN_CHECKPOINT = "tuneledger_config.json"
+               "lr_scheduler_type", "warmup_ratio", "seed", "val_size")
+CONFIG_IN_CHECKPOINT = CONFIG
 
 
-class SaveConfig(TrainerCallback):
-    """Writes the run's resolved config into every checkpoint, so a resume can be checked against it."""
+class DiskFullError(OSError):
+    """A save ran out of disk. The message names the path, the bytes needed and the bytes free."""
 
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
+
+def disk_full(exc: BaseException) -> bool:
+    """True if `exc` (or what caused it) is ENOSPC: an OSError, or torch's and safetensors' own
+    errors, which carry only the text ("file write failed", "No space left on device")."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "file write failed" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_message(ckpt: Path, need: int | None, good: Path | None) -> str:
+    free = shutil.disk_usage(next((p for p in [ckpt, *ckpt.parents] if p.exists()), Path("."))).free
+    return (f"disk full while saving {ckpt}: a checkpoint needs {need:,} bytes" if need else
+            f"disk full while saving {ckpt}: a checkpoint needs more") + (
+        f", {free:,} bytes are free there. The last good checkpoint, {good or 'none yet'}, is kept. Free space or lower "
+        "save_total_limit, then run the same command to resume from it.")
+
+
+class SealCheckpoint(TrainerCallback):
+    """After every save: the run's config and data hashes go into the checkpoint, then (once every
+    rank has written its part) rank 0 writes the manifest last, and only then rotates old
+    checkpoints out, counting sealed ones only (the Trainer's own rotation runs before this callback
+    and could delete a good checkpoint for one that never gets sealed; it is turned off)."""
+
+    def __init__(self, cfg: JobConfig, data_files: dict[str, str] | None, keep: int | None):
+        self.cfg, self.data_files, self.keep = cfg, data_files or {}, keep
+        self.good: Path | None = None  # last sealed checkpoint of this run
+        self.bytes: int | None = None  # its size on disk
 
     def on_save(self, args, state, control, **kw):
-        if state.is_world_process_zero:
-            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if ckpt.is_dir():
-                (ckpt / CONFIG_IN_CHECKPOINT).write_text(json.dumps(self.cfg.model_dump(), indent=1, ensure_ascii=False))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()  # every rank's rng_state_N.pth is written before the manifest lists it
+        if not state.is_world_process_zero:
+            return
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if not ckpt.is_dir():
+            return
+        try:
+            (ckpt / CONFIG).write_text(json.dumps(self.cfg.model_dump(), indent=1, ensure_ascii=False))
+            (ckpt / DATA).write_text(json.dumps({"data_files": self.data_files}, indent=1, ensure_ascii=False))
+            write_manifest(ckpt, state.global_step)
+        except Exception as e:
+            if disk_full(e):
+                shutil.rmtree(ckpt, ignore_errors=True)  # half-written: no use, and it holds space
+                raise DiskFullError(errno.ENOSPC, disk_full_message(ckpt, self.bytes, self.good)) from e
+            raise
+        apply_umask(ckpt)  # safetensors wrote adapter_model.safetensors 0600
+        self.good, self.bytes = ckpt, size_of(ckpt)
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=args.output_dir, save_total_limit=self.keep, use_mtime=False)
 
 
 def resume_conflicts(checkpoint: str | Path, cfg: JobConfig) -> list[str]:
-    """Settings of `cfg` that differ from those the checkpoint was trained with (RESUME_KEYS)."""
+    """Settings of `cfg` that differ from those the checkpoint was trained with (RESUME_KEYS).
+    A checkpoint without its config cannot be checked: that is a conflict too, never a pass."""
     saved_path = Path(checkpoint) / CONFIG_IN_CHECKPOINT
     if not saved_path.is_file():
-        return []
+        return [f"{saved_path} is missing, so the settings it was trained with cannot be checked"]
     saved, now = json.loads(saved_path.read_text()), cfg.model_dump()
     return [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in RESUME_KEYS if saved.get(k) != now.get(k)]
+
+
+def data_changes(checkpoint: str | Path, data_files: dict[str, str]) -> list[str]:
+    """Data files whose sha256 differs from the one the checkpoint was trained on (same path, other
+    contents), naming both hashes. A checkpoint that recorded no hashes gives no finding."""
+    saved_path = Path(checkpoint) / DATA
+    if not saved_path.is_file():
+        return []
+    saved = json.loads(saved_path.read_text()).get("data_files", {})
+    return [f"{f}: checkpoint trained on sha256 {saved[f]}, the file now has sha256 {h}"
+            for f, h in data_files.items() if f in saved and saved[f] != h]
+
+
+class NonFiniteGuard(TrainerCallback):
+    """Stops a run whose loss or grad norm is NaN/Inf before it saves, and warns of a collapse.
+
+    Checked at every log (the logged loss is the mean over every rank and every step since the
+    last log, so one NaN anywhere shows) and forced at every save step: no NaN checkpoint is
+    written, so none can rotate a good one out. Every rank sees the same logged numbers and
+    stops at the same step. Collapse: the grad norm 0 (<= 1e-8) for COLLAPSE_LOGS logs in a row
+    (weights blown to a saturated state, as with learning_rate=1e6): a warning, the run goes on.
+    """
+
+    COLLAPSE_LOGS = 3
+
+    def __init__(self):
+        self.last_finite_step = 0
+        self.tripped: dict | None = None
+        self.flat: list[tuple[int, float]] = []
+        self.warned = False
+
+    def on_step_end(self, args, state, control, **kw):
+        if control.should_save:
+            control.should_log = True  # the check runs on the numbers of exactly this step
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        logs = logs or {}
+        if "loss" not in logs:
+            return
+        loss, gnorm = logs["loss"], logs.get("grad_norm")
+        if not math.isfinite(loss) or (gnorm is not None and not math.isfinite(gnorm)):
+            self.tripped = {"reason": "nonfinite", "step": state.global_step, "loss": loss, "grad_norm": gnorm,
+                            "last_finite_step": self.last_finite_step}
+            control.should_save = False
+            control.should_training_stop = True
+            if state.is_world_process_zero:
+                print(f"ERROR: loss {loss} / grad norm {gnorm} at step {state.global_step} (finite until step "
+                      f"{self.last_finite_step}): training stopped, this step is not saved.", file=sys.stderr, flush=True)
+            return
+        self.last_finite_step = state.global_step
+        # A zero gradient is the collapse itself (the loss then stays where it is, batch to batch).
+        self.flat = self.flat + [(state.global_step, loss)] if gnorm is not None and gnorm <= 1e-8 else []
+        if len(self.flat) >= self.COLLAPSE_LOGS and not self.warned and state.is_world_process_zero:
+            self.warned = True
+            losses = [x for _, x in self.flat]
+            print(f"WARNING: training has collapsed: grad norm 0 from step {self.flat[0][0]} to {state.global_step}, "
+                  f"loss {min(losses):.4g}..{max(losses):.4g}. Nothing is being learned; "
+                  f"learning_rate={args.learning_rate} is likely far too high.", file=sys.stderr, flush=True)
+
+
+class StopOnSignal(TrainerCallback):
+    """SIGTERM / SIGINT (a scheduler's preemption, Ctrl-C): finish the step, save, stop, exit 0.
+
+    The handler only notes the signal. At every step end the ranks agree on it through a small
+    all-reduce on a gloo group (a host-side integer: no GPU sync), so all of them stop after the
+    same step and the Trainer saves that step. A watchdog ends the process if that has not
+    happened within `grace_s` (a hung peer, or a parent that died).
+    """
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signal: str | None = None
+        self.stopped: dict | None = None
+        self.group = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum, frame):
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            watchdog = threading.Timer(self.grace_s, self._expire)
+            watchdog.daemon = True
+            watchdog.start()
+
+    def _expire(self):
+        print(f"rank {os.environ.get('RANK', 0)}: not stopped {self.grace_s:g} s after {self.signal} "
+              "(stop_grace_period_s); exiting without a save", file=sys.stderr, flush=True)
+        os._exit(124)
+
+    def on_train_begin(self, args, state, control, **kw):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo")
+
+    def on_step_end(self, args, state, control, **kw):
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and not self.stopped:
+            self.stopped = {"reason": "signal", "signal": self.signal or "signal on another rank",
+                            "step": state.global_step}
+            control.should_save = True
+            control.should_training_stop = True
+            if state.is_world_process_zero:
+                print(f"{self.stopped['signal']}: stopping after step {state.global_step}; saving it", flush=True)
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (Linux PR_SET_PDEATHSIG),
+    so ranks never train on as orphans after their launcher is killed."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux
+    if os.getppid() == 1:  # the parent died before the call
+        os.kill(os.getpid(), sig)
+
+
+class PlotLoss(TrainerCallback):
+    """Redraws <output_dir>/training_loss.png at every checkpoint and at the end (rank 0), so an
+    interrupted run has its picture too. A drawing error is printed, never raised: a picture must
+    not stop a run."""
+
+    def __init__(self, png: Path, title: str):
+        self.png, self.title = png, title
+
+    def draw(self, state) -> None:
+        if not state.is_world_process_zero:
+            return
+        try:
+            from tuneledger.plots import loss_plot
+
+            loss_plot(state.log_history, self.png, self.title)
+        except Exception as e:  # noqa: BLE001
+            print(f"WARNING: could not draw {self.png}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def on_save(self, args, state, control, **kw):
+        self.draw(state)
+
+    def on_train_end(self, args, state, control, **kw):
+        self.draw(state)
+
+
+class EvalCounter(TrainerCallback):
+    """Eval micro-batches this rank ran: under DDP every rank evaluates its shard (the ledger shows it)."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def on_prediction_step(self, args, state, control, **kw):
+        self.batches += 1
+
+
+def split_eval(ds: Any, cfg: JobConfig) -> tuple[Any, Any]:
+    """(train, eval) from the prepared dataset: val_size records held out by seed (the same on
+    every rank), or (ds, None)."""
+    from tuneledger.data import holdout_count
+
+    n = holdout_count(len(ds), cfg.val_size)
+    if not n:
+        return ds, None
+    parts = ds.train_test_split(test_size=n, seed=cfg.seed, shuffle=True)
+    return parts["train"], parts["test"]
 
 
 class CrashAfterStep(TrainerCallback):
@@ -223,8 +483,13 @@ def make_collator(cfg: JobConfig, tokenizer: Any) -> Any:
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
-def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str, save: bool = True) -> TrainingArguments:
+def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str, save: bool = True,
+                  evaluate: bool = False) -> TrainingArguments:
+    """transformers' TrainingArguments of a job. With `evaluate` (there is eval data and it is a
+    train run), evaluation every eval_steps (default save_steps) or epoch, and the best checkpoint
+    tracked by eval loss; the dry-run times one evaluation itself (fit)."""
     dryrun = mode == "dryrun"
+    evaluate = evaluate and not dryrun
     # transformers 5 takes the TensorBoard directory from the environment only.
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out_dir / "tensorboard"))
     return TrainingArguments(
@@ -233,7 +498,9 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
+        # transformers 5: a float in [0, 1) is a ratio of total steps, an int a count.
+        warmup_steps=cfg.warmup_steps or cfg.warmup_ratio,
+        weight_decay=cfg.weight_decay,
         num_train_epochs=cfg.num_train_epochs,
         max_steps=cfg.dryrun_steps if dryrun else cfg.max_steps,
         max_grad_norm=cfg.max_grad_norm,
@@ -244,7 +511,7 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         # The dry-run saves exactly once, at its last step, to time one real checkpoint.
         save_strategy="steps" if save else "no",
         save_steps=cfg.dryrun_steps if dryrun else cfg.save_steps,
-        save_total_limit=cfg.save_total_limit,
+        save_total_limit=None,  # SealCheckpoint rotates, after the new checkpoint is sealed
         seed=cfg.seed,
         dataloader_num_workers=cfg.dataloader_num_workers,
         ddp_find_unused_parameters=False,  # LoRA on every linear: every trainable param gets a grad
@@ -256,9 +523,14 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         # running ahead and makes fast ranks wait for slow ones. A NaN then shows in the logs as NaN.
         logging_nan_inf_filter=False,
         gradient_checkpointing=False,  # enabled in model.load_model, non-reentrant
-        disable_tqdm=dryrun,
+        disable_tqdm=True,  # progress.StepProgress prints plain step lines instead (a bar breaks in a pipe)
         save_only_model=False,
         run_name=cfg.run_name,
+        eval_strategy=(cfg.eval_strategy or "steps") if evaluate else "no",
+        eval_steps=(cfg.eval_steps or cfg.save_steps) if evaluate else None,
+        per_device_eval_batch_size=cfg.per_device_eval_batch_size,
+        metric_for_best_model="eval_loss" if evaluate else None,
+        greater_is_better=False,
     )
 
 
@@ -275,44 +547,6 @@ def resolve_report_to(cfg: JobConfig, rank: int) -> str:
             print(f"WARNING: report_to=tensorboard but it does not import ({e}); training continues without "
                   "TensorBoard. Fix: pip install tensorboard", file=sys.stderr, flush=True)
         return "none"
-
-
-@contextlib.contextmanager
-def trusted_torch_load(checkpoint: str | None, out_dir: str):
-    """Let torch < 2.6 load the optimizer, scheduler and RNG state of this run's own checkpoint.
-
-    transformers 5 refuses torch.load below torch 2.6 because of CVE-2025-32434 (a crafted .pt
-    file can run code even with weights_only=True). The pinned image runs torch 2.5.1, so without
-    this no run could resume. The refusal is lifted only while loading a checkpoint inside this
-    run's own output_dir; any other file still refuses. torch 2.5 also cannot map to the device
-    string "cpu:N" that multi-process CPU runs use, so that is mapped to "cpu"; and it needs
-    numpy's RNG-state types allow-listed, as transformers does itself from torch 2.6 on.
-    """
-    import numpy as np
-    from packaging.version import Version
-
-    import transformers.trainer as hf_trainer
-
-    old_torch = Version(torch.__version__.split("+")[0]) < Version("2.6")
-    own = checkpoint is not None and Path(checkpoint).resolve().is_relative_to(Path(out_dir).resolve())
-    if not (old_torch and own):
-        yield
-        return
-    saved_check, saved_load = hf_trainer.check_torch_load_is_safe, torch.load
-
-    def load(f, map_location=None, **kw):
-        if isinstance(map_location, torch.device) and map_location.type == "cpu":
-            map_location = "cpu"
-        return saved_load(f, map_location=map_location, **kw)
-
-    hf_trainer.check_torch_load_is_safe, torch.load = (lambda: None), load
-    np_core = getattr(np, "_core", None) or np.core
-    numpy_types = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:
-        with torch.serialization.safe_globals(numpy_types):
-            yield
-    finally:
-        hf_trainer.check_torch_load_is_safe, torch.load = saved_check, saved_load
 
 
 def bench_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float | None:
@@ -383,43 +617,71 @@ def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
 def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     cfg, device, rank, _ = setup(job)
+    set_parent_death_signal()
+    # Before any weights load: every rank's node must match rank 0's (GPU model, image, packages).
+    cuda = device.type == "cuda"
+    check_same_nodes(torch.cuda.get_device_name(device) if cuda else "cpu", "nccl" if cuda else "gloo", cfg.ddp_timeout)
+    # From the start, so a preemption during the model load still ends in a clean stop.
+    stopper = StopOnSignal(cfg.stop_grace_period_s) if job["mode"] == "train" else None
     report_to = resolve_report_to(cfg, rank)  # before the model loads, so it cannot fail after
-    result = fit(cfg, job, device, rank, report_to)
+    result = fit(cfg, job, device, rank, report_to, stopper)
     if rank == 0:
         Path(job["result_path"]).write_text(json.dumps(result, indent=1))
     return 0
 
 
-def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: str) -> dict:
+def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: str,
+        stopper: StopOnSignal | None = None) -> dict:
     import datasets
     import torch.distributed as dist
 
-    from tuneledger.model import load_model, load_tokenizer
+    from tuneledger.model import align_special_tokens, load_model, load_tokenizer
 
     mode, cuda = job["mode"], device.type == "cuda"
     out_dir = Path(job["out_dir"])
     datasets.disable_progress_bars()
     ds = datasets.load_from_disk(job["data_path"]).select_columns(["input_ids", "labels"])
+    ds, eval_ds = split_eval(ds, cfg)
+    if job.get("eval_data_path"):
+        eval_ds = datasets.load_from_disk(job["eval_data_path"]).select_columns(["input_ids", "labels"])
+    if cfg.eval_strategy == "no":
+        eval_ds = None
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     t0 = time.perf_counter()
+    quiet.quiet_worker_progress()
     model, info = load_model(cfg, device)
+    align_special_tokens(model, tokenizer)  # so the Trainer has nothing to align and warn about per rank
     info["load_s"] = round(time.perf_counter() - t0, 2)
 
+    seal = SealCheckpoint(cfg, job.get("data_files"), cfg.save_total_limit)
+    seal.bytes = job.get("checkpoint_bytes_estimate")
+    guard = NonFiniteGuard()
     clock = Clock(cuda)
     timer = StepTimer(clock)
-    trainer = LedgerTrainer(model=model, args=training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True)), train_dataset=ds,
+    args = training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True), evaluate=eval_ds is not None)
+    trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
-                            callbacks=[timer, SaveConfig(cfg)], n_params=info["total_params"])
+                            callbacks=[timer, *([stopper] if stopper else []), guard, seal, LogLastStep()],
+                            n_params=info["total_params"])
+    progress = job.get("progress") or {}
+    trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
+                                      later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
+                                      started_wall=progress.get("started_wall")))
+    eval_counter = EvalCounter()
+    trainer.add_callback(eval_counter)
+    if mode == "train" and cfg.plot_loss:
+        trainer.add_callback(PlotLoss(out_dir / "training_loss.png", f"{cfg.run_name}: {cfg.model_name_or_path}"))
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     resume = None
     if mode == "train" and cfg.resume_from_checkpoint != "never":
-        resume = last_checkpoint(out_dir) if cfg.resume_from_checkpoint == "auto" else cfg.resume_from_checkpoint
+        # The launcher picked the verified checkpoint (and set damaged ones aside); never re-pick here.
+        resume = job["resume"] if "resume" in job else last_checkpoint(out_dir)
         if resume and rank == 0:
             print(f"resuming from {resume}", flush=True)
-    wall0 = time.perf_counter()
+    wall0, wall_started = time.perf_counter(), time.time() - 1  # 1 s: file systems with coarse mtimes
     try:
         out = trainer.train(resume_from_checkpoint=resume)
     except torch.cuda.OutOfMemoryError as e:
@@ -432,17 +694,20 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
               file=sys.stderr, flush=True)
         os._exit(75)
     wall = time.perf_counter() - wall0
+    eval_timing = time_eval(trainer, eval_ds, cfg) if mode == "dryrun" and eval_ds is not None else None
 
     steps = timer.summary()
     tokens = [int(t) for t in torch.stack(trainer.step_tokens).tolist()] if trainer.step_tokens else []
     local = {
-        "rank": rank, "device": str(device),
+        "rank": rank, "host": host_name(), "device": str(device),
         "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "peak_allocated_mib": round(torch.cuda.max_memory_allocated(device) / 2**20) if cuda else None,
         "peak_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2**20) if cuda else None,
         "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0,
         "memory_cap_gib": cfg.memory_cap_gib,
-        "steps": steps, "cum_tokens": tokens,
+        # The process's peak resident memory (MiB; Linux reports KiB): the CPU runs' memory figure.
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "steps": steps, "cum_tokens": tokens, "eval_batches": eval_counter.batches,
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = [None] * world
@@ -455,16 +720,36 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 else None
     ckpt = last_checkpoint(out_dir)
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
-    # transformers' training_loss divides the resumed part's loss sum by every step, so after a
-    # resume it reads low; the logged losses cover the whole run (the history is restored too).
-    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # The whole run's loss from the logged losses (the history is restored on resume): see ledger.run_loss.
+    loss = run_loss(trainer.state.log_history, int(Path(resume).name.split("-")[-1]) if resume else 0)
+    # The ledger names TensorBoard only if this run wrote event files (not if it merely asked).
+    tb_dir = Path(os.environ.get("TENSORBOARD_LOGGING_DIR", out_dir / "tensorboard"))
+    events = [f for f in tb_dir.rglob("events.out.tfevents.*") if f.stat().st_mtime >= wall_started] if tb_dir.is_dir() else []
+    report_to = "tensorboard" if report_to == "tensorboard" and (events or rank != 0) else "none"
+    evals = [{"step": h["step"], "eval_loss": h["eval_loss"]} for h in trainer.state.log_history if "eval_loss" in h]
+    best = best_checkpoint(out_dir) if mode == "train" and evals else None
     return {
         "mode": mode, "world_size": world, "model": info, "wall_s": wall, "global_step": out.global_step,
-        "train_loss": sum(logged) / len(logged) if logged else out.training_loss,
-        "last_logged_loss": logged[-1] if logged else None, "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
+        "train_loss": loss["mean"], "last_logged_loss": loss["last"], "last_logged_step": loss["last_step"],
+        "loss_steps_covered": loss["steps_covered"], "ranks": per_rank, "save_s": timer.save_s, "checkpoint": ckpt,
         "checkpoint_bytes": ckpt_bytes, "allreduce": allreduce, "report_to": report_to,
+        "tensorboard_dir": str(tb_dir) if report_to == "tensorboard" else None,
         "config": cfg.model_dump(), "resumed_from": resume, "peak_tflops": peak,
+        "stopped": guard.tripped or (stopper and stopper.stopped) or None,
+        "eval_records": len(eval_ds) if eval_ds is not None else 0, "eval": evals, "eval_timing": eval_timing,
+        "best_checkpoint": best[0] if best else None, "best_eval_loss": best[1] if best else None,
     }
+
+
+def time_eval(trainer: Any, eval_ds: Any, cfg: JobConfig) -> dict:
+    """Seconds of one evaluation pass over a sample of the eval records (two eval micro-batches per
+    rank), for the dry-run's ETA: s_per_record x eval records x evaluations."""
+    world = trainer.args.world_size
+    n = min(len(eval_ds), 2 * cfg.per_device_eval_batch_size * world)
+    t0 = time.perf_counter()
+    trainer.evaluate(eval_dataset=eval_ds.select(range(n)))
+    dt = time.perf_counter() - t0
+    return {"records": n, "s": dt, "s_per_record": dt / n, "eval_records": len(eval_ds)}
 
 
 if __name__ == "__main__":

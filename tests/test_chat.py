@@ -1,0 +1,131 @@
+"""`tuneledger chat` and `tuneledger eval`: what they load, that chat streams and stops, that eval's
+loss is transformers' own, and a real model that answers with the name it was taught."""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tl(*args, cwd=ROOT):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tmp_path_factory, tiny_model):
+    """A run folder as `tuneledger train` leaves it (job.json, checkpoint-1 with a LoRA adapter), with
+    a random non-zero adapter so that it changes the model's output."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tuneledger.config import load_config
+
+    run = tmp_path_factory.mktemp("chat") / "run"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    ckpt = run / "checkpoint-1"
+    peft.save_pretrained(ckpt)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 1, "log_history": []}))
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"model_name_or_path={tiny_model}", "cutoff_len=64",
+                                                        f"cache_dir={run.parent / 'cache'}", "default_system=Be brief."])
+    (run / "job.json").write_text(json.dumps({"mode": "train", "config": cfg.model_dump()}))
+    return run
+
+
+def test_loads_base_plus_adapter_and_stops_at_im_end(adapter_run, tiny_model, capsys):
+    from tuneledger.chat import load, reply, stop_ids
+
+    loaded = load(str(adapter_run), device="cpu")
+    assert loaded.source == f"{tiny_model} + adapter {adapter_run / 'checkpoint-1'}"
+    assert loaded.config["default_system"] == "Be brief."
+    assert 151645 in stop_ids(loaded.tokenizer)  # <|im_end|>
+    text = reply(loaded, [{"role": "user", "content": "hello"}], max_new_tokens=6)
+    streamed = capsys.readouterr().out
+    assert text and text.strip() in streamed.strip()  # the answer was streamed to the terminal as it came
+
+
+def test_chat_cli_one_prompt_and_clear_errors(adapter_run, tmp_path):
+    p = tl("chat", str(adapter_run), "--prompt", "who are you?", "--max-new-tokens", "5", "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "chat: " in p.stderr and "+ adapter" in p.stderr and p.stdout.strip()
+    p = tl("chat", str(tmp_path / "no-such-run"), "--prompt", "x")
+    assert p.returncode == 1 and "no run" in p.stderr and "no-such-run" in p.stderr
+    p = tl("chat", str(adapter_run), "--checkpoint", "best", "--prompt", "x")
+    assert p.returncode == 1 and "has no checkpoint with an eval loss" in p.stderr
+
+
+def test_eval_loss_is_transformers_loss_and_writes_json(adapter_run, tmp_path, capsys):
+    import torch
+
+    from tuneledger import evaluate
+    from tuneledger.chat import load
+    from tuneledger.data import encode, to_messages
+
+    records = [{"instruction": "2+2?", "output": "4, of course."}, {"instruction": "Name a colour.", "output": "Blue."},
+               {"instruction": "", "output": "x"}]  # invalid: counted, not scored
+    data = tmp_path / "heldout.json"
+    data.write_text(json.dumps(records))
+    out = tmp_path / "r.json"
+    args = argparse.Namespace(run=str(adapter_run), dataset=[str(data)], checkpoint=None, base=None, batch_size=2,
+                              max_samples=None, out=str(out), device="cpu")
+    assert evaluate.run(args) == 0
+    line = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert (result["records"], result["scored"], result["invalid"]) == (3, 2, 1)
+    assert f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}" in line
+    assert math.isclose(result["perplexity"], math.exp(result["loss"]))
+
+    # Independently: transformers' own loss of the PEFT model, token-weighted over both records.
+    loaded = load(str(adapter_run), device="cpu")
+    nll, n = 0.0, 0
+    for r in records[:2]:
+        enc = encode(to_messages(r, "t"), loaded.tokenizer, 64, default_system="Be brief.")
+        ids, labels = torch.tensor([enc["input_ids"]]), torch.tensor([enc["labels"]])
+        with torch.no_grad():
+            loss = loaded.model(input_ids=ids, labels=labels).loss.item()
+        k = int((labels[:, 1:] != -100).sum())
+        nll, n = nll + loss * k, n + k
+    assert result["supervised_tokens"] == n
+    assert math.isclose(result["loss"], nll / n, rel_tol=1e-4)
+
+
+@pytest.mark.e2e
+def test_real_model_answers_with_its_new_name(tmp_path):
+    """SmolLM2-135M-Instruct (real weights) fine-tuned on identity.json as tests/test_export.py does;
+    `tuneledger chat --prompt` answers with the name it learnt, and stops."""
+    identity = DATA / "identity.json"
+    if not identity.is_file():
+        pytest.skip(f"{identity} is absent (licensed data in ../shared)")
+    try:
+        from assets import smollm2
+
+        base = smollm2()
+    except Exception as e:  # no PyPI access, no gguf: the real model cannot be made here
+        pytest.skip(f"SmolLM2-135M is not available: {type(e).__name__}: {e}")
+    run = tmp_path / "identity"
+    p = tl("train", str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={base}", f"output_dir={run}",
+           f"cache_dir={tmp_path / 'cache'}", "preset=C", f"dataset={identity}",
+           "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160", "global_batch_size=8",
+           "lora_rank=16", "lora_alpha=32", "lora_dropout=0", "learning_rate=1e-3", "max_steps=40", "save_steps=40",
+           "--nproc", "1", "--cpu")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = tl("chat", str(run), "--prompt", "who are you?", "--max-new-tokens", "64", "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Ledgerly" in p.stdout, p.stdout
+    from transformers import AutoTokenizer
+
+    n_tokens = len(AutoTokenizer.from_pretrained(base)(p.stdout.strip())["input_ids"])
+    assert n_tokens < 64, p.stdout  # it stopped at <|im_end|>, not at the token limit

@@ -1,0 +1,321 @@
+"""Faults as they happen, without a training run: damaged checkpoints, a killed export swap, two
+processes at one lock or one cache, NaN and collapse in the logs, a full disk's errors.
+
+The runs with 2 gloo ranks (NaN, SIGTERM, kill -9, full tmpfs, resume) are in test_faults_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tuneledger import checkpoints as ck
+from tuneledger.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_checkpoint(run: Path, step: int, seal: bool = True) -> Path:
+    """A checkpoint-N with every file a resume needs (contents are stand-ins of realistic sizes)."""
+    c = run / f"checkpoint-{step}"
+    c.mkdir(parents=True)
+    for name, size in [("adapter_model.safetensors", 5000), ("optimizer.pt", 9000), ("scheduler.pt", 300),
+                       ("rng_state_0.pth", 200), ("rng_state_1.pth", 200)]:
+        (c / name).write_bytes(os.urandom(size))
+    (c / "adapter_config.json").write_text("{}")
+    (c / "trainer_state.json").write_text(json.dumps({"global_step": step, "max_steps": 10, "log_history": []}))
+    (c / ck.CONFIG).write_text("{}")
+    if seal:
+        ck.write_manifest(c, step)
+    return c
+
+
+def train_cfg(run: Path, **kw):
+    return load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "output_dir": str(run), **kw})
+
+
+# ------------------------------------------------------------------ items 2, 5, 8: checkpoints
+@pytest.mark.parametrize("damage, named", [
+    (lambda c: (c / "trainer_state.json").write_bytes(b""), "trainer_state.json has 0 bytes"),  # kill -9 during its write
+    (lambda c: os.truncate(c / "adapter_model.safetensors", 100), "adapter_model.safetensors has 100 bytes"),
+    (lambda c: os.truncate(c / "optimizer.pt", 10), "optimizer.pt has 10 bytes"),
+    (lambda c: (c / "optimizer.pt").unlink(), "optimizer.pt is missing"),  # item 2
+    (lambda c: (c / "rng_state_1.pth").unlink(), "rng_state_1.pth is missing"),
+    (lambda c: (c / ck.MANIFEST).unlink(), "tuneledger_manifest.json is missing"),  # killed before the seal
+])
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_good_one_and_is_kept(tmp_path, capsys, damage, named):
+    from tuneledger.train import pick_checkpoint
+
+    run = tmp_path / "run"
+    fake_checkpoint(run, 2)
+    newest = fake_checkpoint(run, 4)
+    damage(newest)
+    before = sorted(p.name for p in newest.iterdir())
+    resume, refusal = pick_checkpoint(train_cfg(run))
+    assert refusal is None and resume == str(run / "checkpoint-2")
+    err = capsys.readouterr().err
+    assert "checkpoint-4" in err and named in err and "not deleted" in err
+    kept = run / "damaged-checkpoint-4"  # renamed out of the Trainer's way (it would write over it at step 4)
+    assert sorted(p.name for p in kept.iterdir()) == before and not newest.exists()
+
+
+def test_no_checkpoint_verifies_refuses_naming_the_missing_file(tmp_path, capsys):
+    from tuneledger.train import pick_checkpoint
+
+    run = tmp_path / "run"
+    (fake_checkpoint(run, 2) / "optimizer.pt").unlink()
+    resume, refusal = pick_checkpoint(train_cfg(run))
+    assert resume is None and "no checkpoint" in refusal and "resume_from_checkpoint=never" in refusal
+    assert "checkpoint-2/optimizer.pt is missing" in capsys.readouterr().err
+    assert (run / "damaged-checkpoint-2" / "adapter_model.safetensors").is_file()
+
+
+def test_explicit_checkpoint_without_optimizer_is_refused(tmp_path):
+    from tuneledger.train import pick_checkpoint
+
+    c = fake_checkpoint(tmp_path / "run", 2, seal=False)  # a checkpoint from before manifests
+    assert pick_checkpoint(train_cfg(tmp_path / "run", resume_from_checkpoint=str(c))) == (str(c), None)
+    (c / "optimizer.pt").unlink()
+    resume, refusal = pick_checkpoint(train_cfg(tmp_path / "run", resume_from_checkpoint=str(c)))
+    assert resume is None and "lacks optimizer.pt" in refusal
+
+
+def test_a_checkpoint_missing_its_config_is_never_sealed_nor_passes_the_settings_check(tmp_path):
+    from tuneledger.trainer import resume_conflicts
+
+    c = fake_checkpoint(tmp_path / "run", 2, seal=False)
+    (c / ck.CONFIG).unlink()
+    with pytest.raises(ValueError, match="missing tuneledger_config.json"):
+        ck.write_manifest(c, 2)
+    assert ck.problem(c).endswith("before tuneledger sealed checkpoints")
+    conflicts = resume_conflicts(c, train_cfg(tmp_path / "run"))
+    assert conflicts and "tuneledger_config.json is missing" in conflicts[0]
+
+
+# ------------------------------------------------------------------------------ item 3: data hash
+def test_changed_data_is_named_with_both_hashes(tmp_path):
+    from tuneledger.trainer import data_changes
+
+    c = fake_checkpoint(tmp_path / "run", 2)
+    (c / ck.DATA).write_text(json.dumps({"data_files": {"d.jsonl": "aaa", "e.jsonl": "bbb"}}))
+    assert data_changes(c, {"d.jsonl": "aaa", "e.jsonl": "bbb"}) == []
+    assert data_changes(c, {"d.jsonl": "ccc", "e.jsonl": "bbb"}) == [
+        "d.jsonl: checkpoint trained on sha256 aaa, the file now has sha256 ccc"]
+
+
+# --------------------------------------------------------------------------------- item 4: lock
+HOLD = "from tuneledger.runlock import RunLock; import sys, time\nwith RunLock(sys.argv[1]):\n print('held', flush=True); time.sleep(120)"
+
+
+def test_second_process_is_refused_and_a_killed_holders_lock_is_taken_over(tmp_path):
+    from tuneledger.runlock import RunLock, RunLocked
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLocked, match=f"in use by pid {holder.pid} on {os.uname().nodename}"):
+            with RunLock(tmp_path):
+                pass
+    finally:
+        holder.kill()  # kill -9: no chance to release
+        holder.wait()
+    with RunLock(tmp_path) as lock:  # the kernel dropped the lock; the text it left marks it stale
+        assert lock.stale["pid"] == holder.pid
+    assert (tmp_path / "run.lock").read_text() == ""  # released cleanly
+    with RunLock(tmp_path) as lock:
+        assert lock.stale is None
+
+
+def test_cache_built_by_two_processes_at_once(tmp_path, tiny_model):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(40)))
+    cmd = [sys.executable, "-m", "tuneledger", "stats", f"model_name_or_path={tiny_model}", f"dataset={data}",
+           f"cache_dir={tmp_path / 'cache'}", "template=qwen", "preprocessing_num_workers=1"]
+    procs = [subprocess.Popen(cmd + [f"output_dir={tmp_path / f'out{i}'}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    entries = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and ".tmp" not in entries[0], entries  # one cache, no temporary left
+    assert (tmp_path / "cache" / entries[0] / "tuneledger.json").is_file()
+
+
+# ------------------------------------------------------------------------- item 6: export swap
+SWAP = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    import tuneledger.export as ex
+    out, version, kill_at, exchange = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    if not exchange:
+        ex._exchange = lambda a, b: False
+    calls = [0]
+    def killing(real):
+        def op(*a, **kw):
+            calls[0] += 1
+            if calls[0] == kill_at:
+                os.kill(os.getpid(), 9)
+            return real(*a, **kw)
+        return op
+    Path.rename = killing(Path.rename)
+    ex._exchange = killing(ex._exchange)
+    ex.shutil.rmtree = killing(ex.shutil.rmtree)
+    with ex.atomic_dir(out) as tmp:
+        tmp.mkdir()
+        for f in ("model.safetensors", "tokenizer.json", "export.json"):
+            (tmp / f).write_text(version)
+""")
+
+
+def whole(out: Path) -> str:
+    files = {f.name: f.read_text() for f in out.iterdir()}
+    assert sorted(files) == ["export.json", "model.safetensors", "tokenizer.json"], files
+    assert len(set(files.values())) == 1, files  # one export, not a mix
+    return next(iter(files.values()))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_export_killed_at_each_file_operation_leaves_one_whole_export(tmp_path, exchange):
+    from tuneledger.export import _recover
+
+    out = tmp_path / "export"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    assert subprocess.run([sys.executable, "-c", SWAP, str(out), "v1", "0", "1"], env=env).returncode == 0
+    seen = set()
+    for kill_at in range(1, 8):
+        p = subprocess.run([sys.executable, "-c", SWAP, str(out), f"v{kill_at + 1}", str(kill_at), str(int(exchange))], env=env)
+        if p.returncode == 0:
+            break
+        assert p.returncode == -9
+        if exchange:
+            seen.add(whole(out))  # at every instant
+        _recover(out)  # what the next export does first
+        seen.add(whole(out))
+    assert p.returncode == 0 and whole(out) == f"v{kill_at + 1}"
+    assert kill_at >= 3 and len(seen) >= 2  # the kills did land before and after the swap
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["export"]  # no .old or .partial left
+
+
+# --------------------------------------------------------------------- item 1: NaN and collapse
+def control():
+    from transformers import TrainerControl
+
+    return TrainerControl()
+
+
+def state(step):
+    from transformers import TrainerState
+
+    s = TrainerState()
+    s.global_step = step
+    return s
+
+
+def test_nonfinite_loss_or_grad_norm_stops_before_the_save(capsys):
+    from tuneledger.trainer import NonFiniteGuard
+
+    g, args = NonFiniteGuard(), train_cfg(Path("r"))
+    c = control()
+    c.should_save = True
+    g.on_step_end(args, state(2), c)
+    assert c.should_log  # a save step is always checked
+    g.on_log(args, state(2), c, logs={"loss": 2.0, "grad_norm": 1.0})
+    assert c.should_save and not c.should_training_stop
+    g.on_log(args, state(4), c, logs={"loss": 2.0, "grad_norm": float("inf")})
+    assert not c.should_save and c.should_training_stop
+    assert g.tripped == {"reason": "nonfinite", "step": 4, "loss": 2.0, "grad_norm": float("inf"), "last_finite_step": 2}
+    assert "at step 4 (finite until step 2)" in capsys.readouterr().err
+    g2, c2 = NonFiniteGuard(), control()
+    g2.on_log(args, state(3), c2, logs={"loss": float("nan"), "grad_norm": 0.5})
+    assert c2.should_training_stop and g2.tripped["step"] == 3
+
+
+def test_collapse_warns_once(capsys):
+    from tuneledger.trainer import NonFiniteGuard
+
+    g, args, c = NonFiniteGuard(), train_cfg(Path("r")), control()
+    for step in (1, 2, 3):  # a healthy run never warns
+        g.on_log(args, state(step), c, logs={"loss": 5.0, "grad_norm": 0.8})
+    assert "collapsed" not in capsys.readouterr().err
+
+    g, args, c = NonFiniteGuard(), train_cfg(Path("r"), learning_rate=1e6), control()
+    for step, loss, gn in [(1, 11.9, 3.0), (2, 7.5, 0.0), (3, 7.4, 0.0), (4, 7.5, 0.0), (5, 7.5, 0.0)]:
+        g.on_log(args, state(step), c, logs={"loss": loss, "grad_norm": gn})
+    err = capsys.readouterr().err
+    assert err.count("WARNING: training has collapsed") == 1 and "grad norm 0 from step 2 to 4, loss 7.4..7.5" in err
+    assert not c.should_training_stop  # a warning: the numbers are finite
+
+
+# ---------------------------------------------------------------------------- item 11: disk full
+def test_disk_full_errors_are_recognised_in_every_form_they_take(tmp_path):
+    import errno
+
+    from tuneledger.trainer import disk_full, disk_full_message
+
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert disk_full(RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/3: file write failed"))
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "x")
+        except OSError as e:
+            raise ValueError("wrapped") from e
+    except ValueError as e:
+        assert disk_full(e)
+    assert not disk_full(OSError(errno.EACCES, "Permission denied"))
+    msg = disk_full_message(tmp_path / "checkpoint-4", 13_000_000, tmp_path / "checkpoint-2")
+    assert "checkpoint-4: a checkpoint needs 13,000,000 bytes" in msg and "bytes are free there" in msg
+    assert "checkpoint-2, is kept" in msg
+
+
+def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, tmp_path):
+    from tuneledger.preflight import check_disk, checkpoint_bytes, checkpoint_estimate, tokenizer_bytes
+    from tuneledger.model import read_model_config
+
+    cfg = train_cfg(tmp_path / "run", model_name_or_path=str(tiny_model))
+    config = read_model_config(str(tiny_model))
+    one, basis = checkpoint_estimate(cfg, config)
+    assert tokenizer_bytes(str(tiny_model)) > 11_000_000  # Qwen2.5's tokenizer.json is saved in every checkpoint
+    assert one > checkpoint_bytes(cfg, config) + 11_000_000 and "tokenizer" in basis
+    assert "4 checkpoints" in check_disk(cfg, config)  # save_total_limit 3 + the one written before rotation
+    # A real checkpoint of the run replaces the estimate, and those it holds are already on disk.
+    real = fake_checkpoint(tmp_path / "run", 2)
+    assert checkpoint_estimate(cfg, config) == (ck.size_of(real), "measured on checkpoint-2")
+    assert "3 checkpoints" in check_disk(cfg, config)
+
+
+# ------------------------------------------------------------------- item 9: the grace period
+STUBBORN_PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    # A "rank" that ignores SIGTERM (a step that never ends), in its own session as torchrun starts them.
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
+                             start_new_session=True, stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()
+    print(child.pid, flush=True)
+    child.wait()
+""")
+
+
+def test_ranks_that_do_not_stop_within_the_grace_period_are_killed():
+    from tuneledger.launch import _child_pids, _Stopper
+
+    torchrun = subprocess.Popen([sys.executable, "-c", STUBBORN_PARENT], stdout=subprocess.PIPE, text=True)
+    rank = int(torchrun.stdout.readline())
+    assert _child_pids(torchrun.pid) == [rank]
+    stopper = _Stopper(torchrun, grace_s=1.0)
+    stopper.handle(signal.SIGTERM, None)  # as the launcher's handler: SIGTERM to the ranks, then the grace period
+    assert stopper.signal == "SIGTERM"
+    torchrun.wait(timeout=60)
+    stopper.timer.join(timeout=60)
+    assert stopper.killed
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{rank}").exists() and open(f"/proc/{rank}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the rank outlived the grace period"
+        time.sleep(0.05)

@@ -1,0 +1,257 @@
+"""Faults injected into real `tuneledger train` runs: 2 gloo ranks of a tiny random Qwen2 (CPU).
+
+NaN from a huge learning rate, SIGTERM mid-run, a second run into the same directory, kill -9 of
+the launcher, a tmpfs that fills up after the first save, a deleted optimizer.pt, changed data at
+the same path, a finished run asked for more steps. Runs are short (global batch 2, 8 records).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tuneledger.checkpoints import problem
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """The first 8 demo records, in a file the tests may change."""
+    out = tmp_path_factory.mktemp("data") / "d.jsonl"
+    lines = (ROOT / "src/tuneledger/data/demo.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    out.write_text("".join(lines[:8]), encoding="utf-8")
+    return out
+
+
+def args(tiny_model, data, run: Path, *extra) -> list[str]:
+    # 8 records / global batch 2 = 4 steps per epoch; micro-batch 1 on 2 ranks, no accumulation.
+    return ["train", str(ROOT / "configs/tiny.yaml"), f"model_name_or_path={tiny_model}", f"dataset={data}",
+            f"output_dir={run}", f"cache_dir={run.parent / 'cache'}", "cutoff_len=128", "global_batch_size=2",
+            "save_steps=2", "logging_steps=1", *extra, "--cpu", "--nproc", "2"]
+
+
+def tl(*a, timeout=900):
+    return subprocess.run([sys.executable, "-m", "tuneledger", *a], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+def start(*a, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tuneledger", *a], cwd=ROOT, stdout=open(out, "w"),
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(cond, what: str, timeout: float = 600):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+def logged(ckpt: Path) -> list[dict]:
+    return [h for h in json.loads((ckpt / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+
+
+def processes_of(job: Path) -> list[int]:
+    """pids whose command line names this run's job.json (torchrun and its ranks)."""
+    out = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(job).encode() in cmd.read_bytes():
+                out.append(int(cmd.parent.name))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model, data) -> Path:
+    """A run of one epoch (4 steps) with checkpoints 2 and 4."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    p = tl(*args(tiny_model, data, run))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+def copy_of(finished: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    return run
+
+
+# ------------------------------------------------------------------------------------- item 1
+def test_nan_stops_before_saving_names_the_step_and_exits_non_zero(tmp_path, tiny_model, data):
+    run = tmp_path / "run"
+    # lr 1e30 from step 2 (step 1 is warm-up at 0): the loss is not finite from step 3. Logging
+    # every 5 steps: the save at step 4 forces the check on its own numbers.
+    p = tl(*args(tiny_model, data, run, "learning_rate=1e30", "max_steps=8", "logging_steps=5"))
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "at step 4 (finite until step 2)" in p.stderr and "that step not saved" in p.stderr
+    assert sorted(c.name for c in run.glob("checkpoint-*")) == ["checkpoint-2"]  # no NaN save, nothing rotated
+    assert problem(run / "checkpoint-2") is None
+    from safetensors.torch import load_file
+
+    assert all(t.isfinite().all() for t in load_file(run / "checkpoint-2" / "adapter_model.safetensors").values())
+    assert json.loads((run / "train.json").read_text())["stopped"]["step"] == 4
+
+
+def test_collapse_warns_and_the_run_goes_on(tmp_path, tiny_model, data):
+    # lr 1e6 saturates the model after step 2: the grad norm reads 0 from step 3 on.
+    p = tl(*args(tiny_model, data, tmp_path / "run", "learning_rate=1e6", "max_steps=5", "save_steps=100"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "WARNING: training has collapsed: grad norm 0 from step 3 to 5" in p.stdout + p.stderr
+
+
+# ----------------------------------------------------------------------------- items 4, 9, 10
+def test_sigterm_saves_and_exits_0_and_a_second_run_is_refused(tmp_path, tiny_model, data):
+    run = tmp_path / "run"
+    a = args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=300")
+    first = start(*a, out=tmp_path / "first.out")
+    try:
+        # Line-buffered: the first step's loss is in train.log while the run goes on.
+        wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
+                 "the first logged step")
+        job = (run / "job.json").read_text()
+        second = tl(*args(tiny_model, data, run, "max_steps=40", "learning_rate=1e-3"))
+        assert second.returncode == 1 and f"is in use by pid {first.pid}" in second.stderr
+        assert (run / "job.json").read_text() == job  # the first run's job was not overwritten
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=600) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    out = (tmp_path / "first.out").read_text()
+    assert "stopped by SIGTERM after step" in out, out[-3000:]
+    ckpts = list(run.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and problem(ckpts[0]) is None
+    step = int(ckpts[0].name.split("-")[1])
+    assert 1 <= step < 40 and [h["step"] for h in logged(ckpts[0])] == list(range(1, step + 1))
+    assert (run / "run.lock").read_text() == ""  # released
+
+    resumed = tl(*args(tiny_model, data, run, f"max_steps={step + 1}", "save_steps=100"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming from {ckpts[0]}" in resumed.stdout
+    assert [h["step"] for h in logged(run / f"checkpoint-{step + 1}")] == list(range(1, step + 2))
+
+
+def test_kill_9_of_the_launcher_leaves_a_log_and_no_orphan_ranks(tmp_path, tiny_model, data):
+    run = tmp_path / "run"
+    launcher = start(*args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=60"),
+                     out=tmp_path / "out")
+    try:
+        wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
+                 "the first logged step")
+        assert processes_of(run / "job.json")  # torchrun and the ranks are running
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not processes_of(run / "job.json"), "the ranks to die with their launcher", timeout=180)
+    finally:
+        for pid in processes_of(run / "job.json"):
+            os.kill(pid, signal.SIGKILL)
+    assert "'loss'" in (run / "train.log").read_text()  # written line by line, not lost in a buffer
+
+
+# ------------------------------------------------------------------------------------ item 11
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=72m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("a tmpfs mount needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def fill(mnt: Path, leave: int) -> None:
+    """Write a ballast file until the filesystem is full, then free `leave` bytes of it."""
+    with open(mnt / "ballast", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 2**20)
+                f.flush()
+        except OSError:
+            pass
+    os.truncate(mnt / "ballast", max(0, (mnt / "ballast").stat().st_size - leave))
+
+
+def test_disk_full_names_path_need_and_free_and_keeps_the_last_good_checkpoint(tmp_path, tmpfs, tiny_model, data):
+    from tuneledger.launch import _child_pids
+
+    run = tmpfs / "run"
+    launcher = start(*args(tiny_model, data, run, "max_steps=8"), out=tmp_path / "out")
+    try:
+        # Another writer fills the disk once the first checkpoint is sealed; the ranks are paused
+        # meanwhile (SIGSTOP), so the next save is the one that meets the full disk.
+        wait_for(lambda: (run / "checkpoint-2" / "tuneledger_manifest.json").exists(), "checkpoint-2")
+        ranks = [r for t in _child_pids(launcher.pid) for r in _child_pids(t)]
+        for r in ranks:
+            os.kill(r, signal.SIGSTOP)
+        fill(tmpfs, leave=3 * 2**20)
+        for r in ranks:
+            os.kill(r, signal.SIGCONT)
+        rc = launcher.wait(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    out = (tmp_path / "out").read_text()
+    assert rc != 0, out[-3000:]
+    assert f"disk full while saving {run / 'checkpoint-4'}: a checkpoint needs" in out, out[-4000:]
+    assert "bytes are free there" in out and "checkpoint-2, is kept" in out
+    assert problem(run / "checkpoint-2") is None
+
+
+# -------------------------------------------------------------------------------- items 2, 5, 8
+def test_deleted_optimizer_resumes_from_the_previous_checkpoint_with_its_schedule(tmp_path, finished, tiny_model, data):
+    run = copy_of(finished, tmp_path)
+    (run / "checkpoint-4" / "optimizer.pt").unlink()
+    p = tl(*args(tiny_model, data, run))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "checkpoint-4/optimizer.pt is missing -> kept as damaged-checkpoint-4" in p.stderr
+    assert f"resuming from {run / 'checkpoint-2'}" in p.stdout
+    original = {h["step"]: h for h in logged(run / "damaged-checkpoint-4")}
+    again = {h["step"]: h for h in logged(run / "checkpoint-4")}
+    assert sorted(again) == [1, 2, 3, 4] and problem(run / "checkpoint-4") is None
+    for s in (3, 4):  # optimizer, scheduler and RNG restored: the same steps as the first time
+        assert again[s]["learning_rate"] == original[s]["learning_rate"]
+        assert again[s]["loss"] == pytest.approx(original[s]["loss"], rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------- item 3
+def test_changed_data_is_refused_unless_resume_on_changed_data(tmp_path, finished, tiny_model, data):
+    run = copy_of(finished, tmp_path)
+    before = data.read_text(encoding="utf-8")
+    try:
+        lines = before.splitlines(keepends=True)
+        record = json.loads(lines[0])
+        record["output"] += " Changed."  # same path, same number of records, other contents
+        data.write_text(json.dumps(record, ensure_ascii=False) + "\n" + "".join(lines[1:]), encoding="utf-8")
+        p = tl(*args(tiny_model, data, run, "max_steps=6"))
+        assert p.returncode == 2 and "the data changed since" in p.stderr
+        assert p.stderr.count("sha256") == 2 and "resume_on_changed_data=true" in p.stderr
+        anyway = tl(*args(tiny_model, data, run, "resume_on_changed_data=true"))
+        assert anyway.returncode == 0 and "resuming on changed data" in anyway.stderr
+        assert "is already trained" in anyway.stdout  # got past the check; 4 of 4 steps done
+    finally:
+        data.write_text(before, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------- item 7
+@pytest.mark.parametrize("more", ["max_steps=6", "num_train_epochs=1.5"])
+def test_a_finished_run_goes_on_when_asked_for_more(tmp_path, finished, tiny_model, data, more):
+    run = copy_of(finished, tmp_path)
+    p = tl(*args(tiny_model, data, run, more))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resuming from" in p.stdout and "(step 4 of 6)" in p.stdout
+    assert [h["step"] for h in logged(run / "checkpoint-6")] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(h["loss"]) for h in logged(run / "checkpoint-6"))

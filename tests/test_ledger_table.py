@@ -1,0 +1,87 @@
+"""The terminal ledger fits 100 columns, and the finding says 'tie' when the spreads overlap."""
+
+import io
+
+import pytest
+
+from tuneledger import ledger
+from tuneledger.dryrun import finding, markdown, table
+
+
+def row(preset, tokens_per_s, p10, p90, *, steps=4, sd=None, mem=130_000, mfu=0.383, fits=True):
+    tokens_per_step = 8192.0
+    s_step = tokens_per_step / tokens_per_s
+    return {
+        "preset": preset, "micro_batch": 8, "gradient_accumulation_steps": 2, "gradient_checkpointing": False,
+        "packing": True, "s_per_step": s_step, "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / 8,
+        "tokens_per_step": tokens_per_step, "steps_measured": steps, "warmup_steps_excluded": 5,
+        "step_spread": {"p10": p10, "p90": p90, "sd": (p90 - p10) / 2.56 if sd is None else sd},
+        "mfu": mfu, "memory_mib": [{"peak_allocated": mem}], "fits_24gb": fits,
+        "fits_24gb_note": "no (out of memory under 23 GiB; needs 126.9)" if fits is False else "yes (ran under a 23 GiB cap)",
+        "save_s": 12.3, "checkpoint_bytes": 2e9, "eta": {"total_s": 123 * 3600 + 45 * 60, "total_steps": 100_000, "checkpoints": 500},
+        "model": {"trainable_params": 161e6, "trainable_pct": 2.08, "attention": "sdpa"},
+    }
+
+
+def led(rows):
+    return {"world_size": 8, "gpu": "NVIDIA H200", "synthetic": True, "presets": rows, "warmup_steps": 5}
+
+
+def render(t, width):
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), record=True)
+    console.print(t)
+    return console.export_text()
+
+
+def test_table_fits_100_columns_with_every_header_whole():
+    rows = [row("D", 1_234_567, 0.0066, 0.0067, fits=False), row("C", 265_000, 0.030, 0.031),
+            row("B", 200_000, 0.040, 0.041), row("A", 100_000, 0.080, 0.082)]
+    text = render(table(led(rows + [{"preset": "E", "skipped": "global batch 16 is not divisible"}])), 100)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100, text
+    header = next(line for line in lines if "preset" in line and "order" in line)
+    for col in ("order", "preset", "mb x acc", "s/step", "tokens/s", "MFU", "peak MiB", "24 GB", "ETA"):
+        assert col in header, header
+    assert "…" not in text and " rank " not in header  # no shrunk headers; "rank" reads as a DDP rank
+    assert "1,234,567" in text and "123 h 45 min" in text and "130,000" in text
+
+
+def test_markdown_keeps_the_columns_the_terminal_drops():
+    rows = [row("A", 100_000, 0.080, 0.082)]
+    md = markdown({**led(rows), "run_name": "r", "date": "d", "host": "h", "model": "m", "topology": {"link": "x", "matrix": ""},
+                   "dataset": ["d.json"], "stats": {"records": {"valid": 1}, "tokens": {"trained": 1}, "steps_per_epoch": 1},
+                   "global_batch_size": 16, "data_hash": "abc", "versions": {}, "dryrun_steps": 9, "config": {},
+                   "presets": [{**rows[0], "split": {"method": "m", "forward_backward_s": 1, "forward_backward_per_micro_s": 1,
+                                                     "micro_batches_per_step": 1, "allreduce_s": 0, "sync_wait_s": None,
+                                                     "optimizer_s": 0, "other_s": 0, "data_wait_s": 0}, "allreduce": {}}]})
+    assert "tokens/s/GPU" in md and "save (s)" in md and "p10-p90" in md and "out of memory" not in md
+
+
+def test_overlapping_spreads_tie_and_say_how_many_steps_would_separate_them():
+    # The field case: A 266 tokens/s against C 265, p10-p90 ranges overlapping, from 4 steps.
+    a, c = row("A", 266.0, 30.0, 32.5), row("C", 265.0, 30.2, 32.6)
+    text = finding([a, c])
+    assert text.startswith("presets A and C tie at 266 / 265 tokens/s")
+    assert "fastest" not in text
+    need = ledger.steps_to_separate(a, c)
+    # n = 4 (cv_a^2 + cv_b^2) / d^2 with cv = sd / mean step time and d the relative difference.
+    cv_a, cv_c = a["step_spread"]["sd"] / a["s_per_step"], c["step_spread"]["sd"] / c["s_per_step"]
+    assert need == pytest.approx(4 * (cv_a**2 + cv_c**2) / (1 / 266) ** 2, rel=0.01)
+    assert f"about {need:,} steady steps each" in text and f"dryrun_steps={need + 5}" in text
+
+
+def test_clear_winner_is_fastest_and_compared_with_a():
+    a, d = row("A", 100.0, 80.0, 82.0), row("D", 400.0, 20.0, 20.5)
+    text = finding([a, d])
+    assert text.startswith("preset D is fastest at 400 tokens/s, 4.00x preset A's 100")
+
+
+def test_three_way_tie_names_them_all():
+    rows = [row("A", 100.0, 80.0, 84.0), row("B", 99.0, 80.5, 84.5), row("C", 98.5, 81.0, 85.0), row("D", 50.0, 160, 165)]
+    assert finding(rows).startswith("presets A, B and C tie at")
+
+
+def test_equal_means_run_at_the_same_speed():
+    assert "they run at the same speed" in finding([row("A", 100.0, 80, 84), row("B", 100.0, 80, 84)])

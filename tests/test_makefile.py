@@ -1,0 +1,84 @@
+"""The Makefile's choices, read from `make -n` (prints the commands, runs nothing)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def make_n(*args, env=None):
+    import os
+
+    p = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PATH": os.environ["PATH"], **(env or {})}, timeout=60)
+    return p
+
+
+def verb_line(out: str, verb: str) -> str:
+    return next(line for line in out.splitlines() if f"tuneledger {verb} " in line)
+
+
+def test_config_model_is_not_overridden_by_the_default(tmp_path):
+    my = tmp_path / "my.yaml"
+    my.write_text("model_name_or_path: /models/my-real-model\ndataset: x.json\n")
+    p = make_n("stats", f"CONFIG={my}", "LOCAL=1")
+    assert p.returncode == 0, p.stderr
+    line = verb_line(p.stdout, "stats")
+    assert "model_name_or_path" not in line  # the config's own model stands
+    assert "synth-model" not in p.stdout  # and no synthetic model is built for it
+
+
+def test_explicit_model_overrides_the_config(tmp_path):
+    my = tmp_path / "my.yaml"
+    my.write_text("model_name_or_path: /models/my-real-model\ndataset: x.json\n")
+    for verb in ("stats", "dryrun", "train"):
+        line = verb_line(make_n(verb, f"CONFIG={my}", "MODEL=/models/other", "LOCAL=1").stdout, verb)
+        assert "model_name_or_path=/models/other" in line
+
+
+def test_a_config_naming_a_synthetic_model_builds_it(tmp_path):
+    my = tmp_path / "my.yaml"
+    my.write_text("model_name_or_path: models/synthetic-tiny   # the tiny one\ndataset: x.json\n")
+    p = make_n("dryrun", f"CONFIG={my}", "LOCAL=1")
+    if (ROOT / "models" / "synthetic-tiny" / "config.json").is_file():
+        pytest.skip("models/synthetic-tiny exists here, so make has nothing to build")
+    assert "synth-model --arch tiny models/synthetic-tiny" in p.stdout
+
+
+def test_default_config_runs_on_the_synthetic_model():
+    p = make_n("stats", "LOCAL=1")
+    line = verb_line(p.stdout, "stats")
+    assert "model_name_or_path=models/synthetic-" in line
+
+
+def test_make_test_does_not_talk_about_docker():
+    p = make_n("test", env={"PATH": "/nonexistent:/usr/bin:/bin"})
+    assert "Docker" not in p.stdout + p.stderr
+
+
+def test_local0_without_compose_says_what_to_install(tmp_path):
+    # A PATH with the few tools the Makefile itself calls and no docker / docker-compose.
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sed", "head", "mkdir", "cat", "env"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    p = subprocess.run([shutil.which("make"), "--no-print-directory", "stats", "LOCAL=0"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PATH": str(bin_dir)}, timeout=60)
+    assert p.returncode != 0
+    assert "docker-compose-plugin" in p.stderr and "LOCAL=1" in p.stderr
+    assert "command not found" not in p.stderr
+
+
+def test_user_data_folder_is_ignored_by_git():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    p = subprocess.run(["git", "check-ignore", "-q", "data/my-dataset.json"], cwd=ROOT)
+    assert p.returncode == 0  # data/ (DATA_DIR's default) never gets committed by accident

@@ -1,0 +1,173 @@
+"""What a user reads: step progress, and no line without information."""
+
+import argparse
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from tuneledger.progress import StepProgress, progress_line
+
+
+def test_train_progress_line():
+    assert progress_line("train tiny", 30, 1000, 2.5) == "train tiny: step 30/1000, 2.50 s/step so far; ETA 40 min 25 s"
+
+
+def test_dryrun_progress_line_gives_the_eta_of_the_whole_dryrun():
+    # Preset B of 4, step 2 of 6 at 10 s/step: 40 s left here; A took 100 s, so C and D ~200 s more.
+    line = progress_line("dry-run preset B (2 of 4)", 2, 6, 10.0, later_presets=2, earlier_s=[100.0], preset_elapsed_s=50.0)
+    assert line == "dry-run preset B (2 of 4): step 2/6, 10.00 s/step so far; this preset ~0 min 40 s more, the dry-run ~4 min 00 s more"
+    # The first preset has no earlier one: its own projected time (elapsed + left) stands for the others.
+    first = progress_line("dry-run preset A (1 of 2)", 2, 6, 10.0, later_presets=1, earlier_s=[], preset_elapsed_s=60.0)
+    assert first.endswith("this preset ~0 min 40 s more, the dry-run ~2 min 20 s more")
+
+
+def test_step_progress_prints_first_last_and_throttled(capsys, monkeypatch):
+    import tuneledger.progress as progress
+
+    clock = iter([0.0, 10.0, 11.0, 12.0, 30.0])  # step 1 at 10 s, 2 and 3 within 10 s, 4 (the last) at 30 s
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    cb = StepProgress("dry-run preset A (1 of 1)", every_s=10.0, later_presets=0, started_wall=None)
+    state = SimpleNamespace(global_step=0, max_steps=4, is_world_process_zero=True)
+    cb.on_step_begin(None, state, None)
+    for step in range(1, 5):
+        state.global_step = step
+        cb.on_step_end(None, state, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["dry-run preset A (1 of 1): step 1/4, 10.00 s/step so far; ETA 0 min 30 s",
+                     "dry-run preset A (1 of 1): step 4/4, 7.50 s/step so far; ETA 0 min 00 s"]
+
+
+def test_only_rank_zero_prints(capsys):
+    cb = StepProgress("train r")
+    state = SimpleNamespace(global_step=0, max_steps=4, is_world_process_zero=False)
+    cb.on_step_begin(None, state, None)
+    state.global_step = 1
+    cb.on_step_end(None, state, None)
+    assert capsys.readouterr().out == ""
+
+
+def test_dryrun_heading_names_the_preset_once_and_passes_progress(monkeypatch, capsys):
+    import tuneledger.dryrun as dryrun
+    from tuneledger.config import ConfigError, load_config, resolve
+
+    seen = []
+
+    def fake_run_one(cfg, prep_path, nproc, cpu, out_root, log, cap_gib=None, progress=None):
+        seen.append(progress)
+        return 1, None, False
+
+    monkeypatch.setattr(dryrun, "run_one", fake_run_one)
+    base = {"model_name_or_path": "m", "dataset": ["d.json"], "quantization_bit": None}
+    planned = [("A", resolve(load_config(None, {**base, "preset": "A"}), 2)), ("B", ConfigError("not divisible")),
+               ("C", resolve(load_config(None, {**base, "preset": "C"}), 2))]
+    rows = []
+    dryrun.measure_presets(argparse.Namespace(no_fit_check=True), planned, 2, True, SimpleNamespace(path="p"), {}, None,
+                           "log", rows, {})
+    out = capsys.readouterr().out
+    assert "=== [1/2] preset A: micro-batch 1" in out and "=== [2/2] preset C: micro-batch 2" in out
+    assert "preset A: preset A" not in out
+    assert [p["label"] for p in seen] == ["dry-run preset A (1 of 2)", "dry-run preset C (2 of 2)"]
+    assert [p["later_presets"] for p in seen] == [1, 0] and len(seen[1]["earlier_s"]) == 1
+
+
+def test_bitsandbytes_cpu_kernel_message_is_dropped_at_its_logger():
+    from tuneledger import quiet
+
+    quiet.install()
+    quiet.install()  # idempotent
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure", "offline")
+        logger.warning("something else entirely")
+    finally:
+        logger.removeHandler(handler)
+    assert got == ["something else entirely"]
+
+
+def test_special_tokens_aligned_before_the_trainer_leaves_it_nothing_to_say():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.trainer_utils import align_special_tokens as hf_align
+    from transformers.utils import logging as hf_logging
+
+    from tuneledger.model import align_special_tokens
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=200, bos_token_id=1, eos_token_id=2))
+    tok = SimpleNamespace(eos_token_id=7, bos_token_id=None, pad_token_id=5)  # Qwen2.5 after load_tokenizer: no bos
+    align_special_tokens(model, tok)
+    assert model.config.pad_token_id == 5 and model.generation_config.eos_token_id[0] == 7
+    assert 2 in model.generation_config.eos_token_id  # the model's own eos still stops generation
+
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    logger = hf_logging.get_logger("transformers.trainer_utils")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        hf_align(model, tok)  # what Trainer.train() runs on every rank
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in got if "PAD/BOS/EOS" in m]
+
+
+def test_run_loss_weights_each_log_by_the_steps_it_covers():
+    from tuneledger.ledger import run_loss
+
+    # logging_steps 5, a crash after checkpoint 12, resumed there, logs at 15 and at the last step 17.
+    history = [{"loss": 4.0, "step": 5}, {"loss": 3.0, "step": 10}, {"learning_rate": 1e-4, "step": 10},
+               {"loss": 2.0, "step": 15}, {"loss": 1.0, "step": 17}]
+    got = run_loss(history, resumed_step=12)
+    assert got["steps_covered"] == 5 + 5 + 3 + 2  # steps 11-12 ran before the crash and were never logged
+    assert got["mean"] == pytest.approx((4 * 5 + 3 * 5 + 2 * 3 + 1 * 2) / 15)
+    assert got["last"] == 1.0 and got["last_step"] == 17
+    assert run_loss([]) == {"mean": None, "last": None, "last_step": 0, "steps_covered": 0}
+
+
+def test_train_prints_one_loss():
+    from tuneledger.train import loss_text
+
+    assert loss_text({"train_loss": 2.5, "last_logged_loss": 1.25, "last_logged_step": 17, "global_step": 17,
+                      "loss_steps_covered": 15}) == "loss 2.5000 (mean over the 15 logged of its 17 steps), last 1.2500 at step 17"
+    assert loss_text({"train_loss": None, "global_step": 3}) == "no loss was logged"
+
+
+def test_final_metrics_drop_transformers_train_loss():
+    from tuneledger.trainer import LedgerTrainer
+
+    seen = []
+
+    class Probe(LedgerTrainer):
+        def __init__(self):  # only log() is exercised
+            self.state = SimpleNamespace(global_step=4)
+
+    import transformers
+
+    orig = transformers.Trainer.log
+    transformers.Trainer.log = lambda self, logs, *a, **k: seen.append(dict(logs))
+    try:
+        Probe().log({"train_runtime": 1.0, "train_loss": 11.86, "epoch": 1.0})
+    finally:
+        transformers.Trainer.log = orig
+    assert seen == [{"train_runtime": 1.0, "epoch": 1.0}]
+
+
+def test_step_progress_says_when_the_model_is_ready(capsys):
+    import time
+
+    cb = StepProgress("train r", started_wall=time.time() - 42)
+    cb.on_train_begin(None, SimpleNamespace(global_step=2, max_steps=10, is_world_process_zero=True), None)
+    out = capsys.readouterr().out
+    assert out.startswith("train r: ready after 4") and out.endswith("(start-up and model load); 8 steps to run\n")
