@@ -5,12 +5,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import procs
 from conftest import DATA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tl(*args, cwd=ROOT):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=1800)
+    return procs.run([sys.executable, "-m", "tuneledger", *args], cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import procs
 from tuneledger.checkpoints import problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +42,8 @@ def args(tiny_model, data, run: Path, *extra) -> list[str]:
             "save_steps=2", "logging_steps=1", *extra, "--cpu", "--nproc", "2"]
 
 
-def tl(*a, timeout=900):
-    return subprocess.run([sys.executable, "-m", "tuneledger", *a], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+def tl(*a):
+    return procs.run([sys.executable, "-m", "tuneledger", *a], cwd=ROOT)
 
 
 def start(*a, out: Path) -> subprocess.Popen:

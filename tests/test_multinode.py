@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import run as run_tree
 from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.launch import free_port
 from tuneledger.nodes import DEFAULT_MAX_RESTARTS, Nodes, differences, fingerprint, from_args, nccl_transport, summary
@@ -161,8 +162,7 @@ def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path, tiny_model)
         assert rc == 0, out[-4000:]
     cached = [p.name for p in (tmp_path / "cache").iterdir()]
     assert len(cached) == 1 and ".tmp" not in cached[0], cached  # one copy, no half-written one left
-    one = subprocess.run(tl_args(tmp_path, tiny_model, "one") + ["--nproc", "2"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=1500, env={**os.environ, **one_thread})
+    one = run_tree(tl_args(tmp_path, tiny_model, "one") + ["--nproc", "2"], cwd=ROOT, env={**os.environ, **one_thread})
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "node 0 of 2, c10d rendezvous 127.0.0.1:" in outs[0][1]
     assert "node 1: this node's ranks are done" in outs[1][1]
