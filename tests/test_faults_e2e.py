@@ -23,7 +23,8 @@ import procs
 from tuneledger.checkpoints import problem
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.e2e
+# Each test trains (2 gloo ranks, often twice): minutes in all, so the slow tier (`make test-all`, CI).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import TIMEOUT_S, kill_tree
 from procs import run as run_tree
 from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.launch import free_port
@@ -129,21 +130,21 @@ def run_nodes(tmp_path, tiny_model, name, envs, base=None):
     """Two launchers on 127.0.0.1, node 0 and node 1, one process each; returns (exit code, output)
     of each. base: the command without the node options (default: train `name`)."""
     port = free_port()
-    procs = []
-    for rank, extra in enumerate(envs):
-        cmd = (base or tl_args(tmp_path, tiny_model, name)) + [
-            "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--max-restarts", "0"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **extra}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    outs = []
-    for p in procs:
-        try:
-            outs.append((p.wait(timeout=1500), p.stdout.read()))
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-    return outs
+    started = []
+    try:
+        for rank, extra in enumerate(envs):
+            cmd = (base or tl_args(tmp_path, tiny_model, name)) + [
+                "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--max-restarts", "0"]
+            log = tmp_path / f"{name}-node{rank}.out"  # a file, not a pipe: a full pipe would stall a node
+            with open(log, "w") as out:
+                started.append((subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **extra}, stdout=out,
+                                                 stderr=subprocess.STDOUT, text=True, start_new_session=True), log))
+        return [(p.wait(timeout=TIMEOUT_S), log.read_text()) for p, log in started]
+    finally:
+        for p, _ in started:
+            if p.poll() is None:  # timed out or failed: the node's whole tree, its ranks included
+                kill_tree(p.pid)
 
 
 def losses(run: Path) -> list[float]:
@@ -152,6 +153,7 @@ def losses(run: Path) -> list[float]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # three 2-rank trainings: the slow tier (`make test-all`, CI)
 def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path, tiny_model):
     # The two launchers start on an empty data cache, as a first multi-node run does: both
     # tokenize into the one shared cache at once.
