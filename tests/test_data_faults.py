@@ -3,12 +3,12 @@ named invalid record, and `train` reports them exactly as `stats` does."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import procs
 from tuneledger.data import Invalid, encode, read_records, to_messages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,8 +108,7 @@ def test_cutoff_reason_says_where_the_reply_starts(qwen_tokenizer):
 
 # ------------------------------------------------------------------------- through the verbs
 def tl(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    return procs.run([sys.executable, "-m", "tuneledger", *args], cwd=ROOT, env={**os.environ, **(env or {})})
 
 
 def common(tmp_path, model, data, name, *extra):

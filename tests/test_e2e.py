@@ -89,20 +89,22 @@ def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_
     assert changed.returncode == 2 and "lora_rank: checkpoint 64, now 8" in changed.stderr
 
 
-def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, tiny_model):
+def test_sigterm_to_the_dryrun_launcher_stops_every_rank(tmp_path, tiny_model):
     """`kill`, `docker stop` or a CI timeout reach the `tuneledger` process only; torchrun runs each
-    rank in a session of its own, so the launcher must stop them, not leave them training as orphans."""
-    args = small(tmp_path, tiny_model, "run", "max_steps=100000", "save_steps=100000", "preset=C")
+    rank in a session of its own, so the launcher must stop them, not leave them running as orphans.
+    (A training's ranks save first: tests/test_faults_e2e.py.)"""
+    args = small(tmp_path, tiny_model, "dry", "dryrun_steps=100000", "dryrun_warmup_steps=1")
     with open(tmp_path / "out.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tuneledger", "train", *args, "--nproc", "2", "--cpu"], cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "tuneledger", "dryrun", *args, "--preset", "C", "--nproc", "2",
+                                 "--cpu"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
     try:
         ranks: list[psutil.Process] = []
         deadline = time.monotonic() + (procs.TIMEOUT_S or 3600)
         while len(ranks) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)  # not torchrun itself
-                     if "tuneledger.trainer" in c.cmdline() and "torch.distributed.run" not in c.cmdline()]
+            ranks = [rank for torchrun in psutil.Process(proc.pid).children() for rank in torchrun.children()
+                     if "tuneledger.trainer" in rank.cmdline()]  # torchrun's children, not torchrun itself
         assert len(ranks) == 2, (tmp_path / "out.log").read_text()[-3000:]
         assert all(r.pid == os.getsid(r.pid) for r in ranks)  # each rank leads its own session
         proc.send_signal(signal.SIGTERM)  # to the launcher alone

@@ -3,12 +3,12 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import procs
 from tuneledger.model import PreflightError, check_embedding_rows, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,9 +20,8 @@ def test_tensorboard_too_old_for_torch_fails_preflight(tmp_path, tiny_model):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('__version__ = "1.14.0"\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")])}
-    p = subprocess.run([sys.executable, "-m", "tuneledger", "preflight", "--cpu", f"model_name_or_path={tiny_model}",
-                        "dataset=x.json", "quantization_bit=null", f"output_dir={tmp_path / 'run'}"],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = procs.run([sys.executable, "-m", "tuneledger", "preflight", "--cpu", f"model_name_or_path={tiny_model}",
+                   "dataset=x.json", "quantization_bit=null", f"output_dir={tmp_path / 'run'}"], env=env, cwd=ROOT)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "FAIL report_to=tensorboard but TensorBoard logging does not work here" in p.stdout
     assert "requires TensorBoard version 1.15 or above" in p.stdout
@@ -76,9 +75,8 @@ def test_stats_refuses_a_tokenizer_past_the_embedding_rows(tmp_path, tiny_model)
     (d / "config.json").write_text(json.dumps({**config, "vocab_size": 151_650}))
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"instruction": "q", "output": "a"}) + "\n")
-    p = subprocess.run([sys.executable, "-m", "tuneledger", "stats", f"model_name_or_path={d}", f"dataset={data}",
-                        f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = procs.run([sys.executable, "-m", "tuneledger", "stats", f"model_name_or_path={d}", f"dataset={data}",
+                   f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}"], cwd=ROOT)
     assert p.returncode == 1 and "151,665 tokens, but the model has only 151,650 embedding rows" in p.stderr
 
 
@@ -111,8 +109,7 @@ def test_same_seed_same_first_losses_two_gloo_ranks(tmp_path, tiny_model):
         args = [str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={tiny_model}", f"output_dir={tmp_path / name}",
                 f"cache_dir={tmp_path / 'cache'}", "max_samples=16", "cutoff_len=128", "global_batch_size=4",
                 "max_steps=2", "logging_steps=1", "save_steps=100", "lora_rank=8", *extra]
-        p = subprocess.run([sys.executable, "-m", "tuneledger", "train", *args, "--cpu", "--nproc", "2"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=900)
+        p = procs.run([sys.executable, "-m", "tuneledger", "train", *args, "--cpu", "--nproc", "2"], cwd=ROOT)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         result = json.loads((tmp_path / name / "train.json").read_text())
         state = json.loads((Path(result["checkpoint"]) / "trainer_state.json").read_text())

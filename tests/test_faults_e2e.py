@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+import procs
 from tuneledger.checkpoints import problem
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.e2e
+# Each test trains (2 gloo ranks, often twice): minutes in all, so the slow tier (`make test-all`, CI).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,8 @@ def args(tiny_model, data, run: Path, *extra) -> list[str]:
             "save_steps=2", "logging_steps=1", *extra, "--cpu", "--nproc", "2"]
 
 
-def tl(*a, timeout=3600):  # generous: a loaded 2-core CI machine is slow, a hang still ends
-    return subprocess.run([sys.executable, "-m", "tuneledger", *a], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+def tl(*a):
+    return procs.run([sys.executable, "-m", "tuneledger", *a], cwd=ROOT)
 
 
 def start(*a, out: Path) -> subprocess.Popen:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import procs
 from tuneledger.config import ConfigError, load_config, resolve, suggest
 from tuneledger.data import DataError
 from tuneledger.llamafactory import classify, lf_keys
@@ -207,8 +208,7 @@ def test_hub_dataset_offline_fails_at_once(tmp_path, monkeypatch, env):
 # ------------------------------------------------------------------ the example yamls, run unchanged
 def tl(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "tuneledger", *args], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=1200)
+    return procs.run([sys.executable, "-m", "tuneledger", *args], cwd=cwd, env=env)
 
 
 def lf_run(tmp_path: Path, tiny_model: Path, yaml: Path, *extra: str, verb: str = "train") -> subprocess.CompletedProcess:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import TIMEOUT_S, kill_tree
+from procs import run as run_tree
 from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.launch import free_port
 from tuneledger.nodes import DEFAULT_MAX_RESTARTS, Nodes, differences, fingerprint, from_args, nccl_transport, summary
@@ -129,21 +131,21 @@ def run_nodes(tmp_path, tiny_model, name, envs, base=None):
     """Two launchers on 127.0.0.1, node 0 and node 1, one process each; returns (exit code, output)
     of each. base: the command without the node options (default: train `name`)."""
     port = free_port()
-    procs = []
-    for rank, extra in enumerate(envs):
-        cmd = (base or tl_args(tmp_path, tiny_model, name)) + [
-            "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--max-restarts", "0"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **extra}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    outs = []
-    for p in procs:
-        try:
-            outs.append((p.wait(timeout=1500), p.stdout.read()))
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-    return outs
+    started = []
+    try:
+        for rank, extra in enumerate(envs):
+            cmd = (base or tl_args(tmp_path, tiny_model, name)) + [
+                "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--max-restarts", "0"]
+            log = tmp_path / f"{name}-node{rank}.out"  # a file, not a pipe: a full pipe would stall a node
+            with open(log, "w") as out:
+                started.append((subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **extra}, stdout=out,
+                                                 stderr=subprocess.STDOUT, text=True, start_new_session=True), log))
+        return [(p.wait(timeout=TIMEOUT_S), log.read_text()) for p, log in started]
+    finally:
+        for p, _ in started:
+            if p.poll() is None:  # timed out or failed: the node's whole tree, its ranks included
+                kill_tree(p.pid)
 
 
 def losses(run: Path) -> list[float]:
@@ -152,6 +154,7 @@ def losses(run: Path) -> list[float]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # three 2-rank trainings: the slow tier (`make test-all`, CI)
 def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path, tiny_model):
     # The two launchers start on an empty data cache, as a first multi-node run does: both
     # tokenize into the one shared cache at once.
@@ -162,8 +165,7 @@ def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path, tiny_model)
         assert rc == 0, out[-4000:]
     cached = [p.name for p in (tmp_path / "cache").iterdir()]
     assert len(cached) == 1 and ".tmp" not in cached[0], cached  # one copy, no half-written one left
-    one = subprocess.run(tl_args(tmp_path, tiny_model, "one") + ["--nproc", "2"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=1500, env={**os.environ, **one_thread})
+    one = run_tree(tl_args(tmp_path, tiny_model, "one") + ["--nproc", "2"], cwd=ROOT, env={**os.environ, **one_thread})
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "node 0 of 2, c10d rendezvous 127.0.0.1:" in outs[0][1]
     assert "node 1: this node's ranks are done" in outs[1][1]

@@ -5,7 +5,6 @@ import json
 import os
 import pickle
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import procs
 from tuneledger.safeload import UnsafeCheckpointError, checkpoint_loading, safe_torch_load
 
 HERE = Path(__file__).resolve().parent
@@ -98,8 +98,7 @@ def test_single_node_rendezvous_and_ranks_listen_on_loopback_only(tmp_path):
     port = free_port()
     env = loopback_env({k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")})
     env["CUDA_VISIBLE_DEVICES"] = ""
-    p = subprocess.run(torchrun_command(2, port, [str(HERE / "listen_probe.py"), str(out)]), env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = procs.run(torchrun_command(2, port, [str(HERE / "listen_probe.py"), str(out)]), env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["master_port"] == port
