@@ -20,25 +20,18 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # ---- system packages: Python 3.10 ---------------------------------------------------------------
 # APT_MIRROR replaces the host of Ubuntu's (or Debian's) archive for this step only, e.g.
-# https://mirrors.tuna.tsinghua.edu.cn; the base's sources are restored afterwards. NVIDIA's CUDA
-# apt repository is left out of this step: nothing is installed from it.
-# PYTHON / PYTHON_APT_PACKAGES: Ubuntu's python3.10; CI's Debian stand-in passes its own.
+# https://mirrors.tuna.tsinghua.edu.cn; the base's sources are restored afterwards
+# (docker/apt-install.sh, shared with Dockerfile.quant).
+# PYTHON / PYTHON_APT_PACKAGES: Ubuntu's python3.10; CI's Debian stand-in passes its own
+# (compose: IMAGE_PYTHON, IMAGE_PYTHON_APT_PACKAGES).
 ARG APT_MIRROR=
 ARG PYTHON=python3.10
 ARG PYTHON_APT_PACKAGES="python3.10 python3.10-venv"
+COPY docker/apt-install.sh /tmp/apt-install.sh
 RUN set -eux; \
-    mkdir /tmp/apt-orig; \
-    cp -a /etc/apt/sources.list* /tmp/apt-orig/; \
-    rm -f /etc/apt/sources.list.d/cuda*.list /etc/apt/sources.list.d/nvidia*.list; \
-    if [ -n "$APT_MIRROR" ]; then \
-        find /etc/apt -maxdepth 2 \( -name sources.list -o -name '*.list' -o -name '*.sources' \) -type f -print0 \
-        | xargs -0 sed -i -E "s#https?://(archive|security|ports)\.ubuntu\.com#${APT_MIRROR%/}#g; s#https?://(deb|security)\.debian\.org#${APT_MIRROR%/}#g"; \
-    fi; \
-    apt-get update; \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates ${PYTHON_APT_PACKAGES}; \
-    rm -rf /var/lib/apt/lists/* /etc/apt/sources.list /etc/apt/sources.list.d; \
-    cp -a /tmp/apt-orig/. /etc/apt/; \
-    rm -rf /tmp/apt-orig; \
+    /tmp/apt-install.sh ca-certificates ${PYTHON_APT_PACKAGES}; \
+    rm /tmp/apt-install.sh; \
+    command -v setpriv; \
     "$PYTHON" -m venv /opt/venv
 
 ENV VIRTUAL_ENV=/opt/venv \
