@@ -79,13 +79,14 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 ARG USER_UID=1000
 ARG USER_GID=1000
 COPY docker/entrypoint.sh /usr/local/bin/tuneledger-entrypoint
+COPY docker/monitor-health /usr/local/bin/monitor-health
+COPY docker/add-user.sh /usr/local/sbin/tuneledger-add-user
 COPY docker/fetch-model /usr/local/bin/fetch-model
 COPY pyproject.toml README.md /workspace/
 COPY src /workspace/src
 COPY configs /workspace/configs
 RUN set -eux; \
-    groupadd --gid "$USER_GID" tuneledger; \
-    useradd --create-home --uid "$USER_UID" --gid "$USER_GID" --shell /bin/bash tuneledger; \
+    tuneledger-add-user "$USER_UID" "$USER_GID"; \
     python -m pip install --disable-pip-version-check --no-cache-dir --no-index --no-deps --no-build-isolation -e /workspace; \
     mkdir -p /workspace/models /workspace/data /workspace/runs /workspace/.cache; \
     chown -R "$USER_UID:$USER_GID" /workspace; \
@@ -105,10 +106,18 @@ ENV HF_HOME=/workspace/.cache/huggingface \
     NCCL_DEBUG=WARN
 
 ARG BASE_IMAGE
+# Which commit, when, from where: `make image` (docker/build) fills these from git and the clock,
+# the GitHub workflow from its run. Declared here, after every RUN, so a new value rebuilds nothing.
+ARG IMAGE_REVISION=
+ARG IMAGE_CREATED=
+ARG IMAGE_SOURCE=
 LABEL org.opencontainers.image.title="tuneledger" \
       org.opencontainers.image.description="Measure, then fine-tune: distributed LoRA/QLoRA of ~7B chat models" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.revision="${IMAGE_REVISION}" \
+      org.opencontainers.image.created="${IMAGE_CREATED}" \
+      org.opencontainers.image.source="${IMAGE_SOURCE}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.tuneledger.python="${PYTHON_VERSION}" \
       io.tuneledger.cuda="${TORCH_CUDA}" \

@@ -10,15 +10,58 @@ PYTHON ?= $(shell for p in python3.10 $$HOME/.pyenv/versions/3.10.13/bin/python3
 	$$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
 VENV ?= .venv
 
-# Where the verbs run: in the `trainer` container (docker compose, the pinned image, every GPU) by
-# default; LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`
-# always runs in the host venv. Docker settings (GPUs, folders, mirrors) come from .env.
-COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
-# No reachable Docker engine: run in the host venv rather than fail (say so once).
+# Where the verbs run: in the `trainer` container (docker compose, the pinned image) by default;
+# LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`, `lint`
+# and `lock*` always run in the host venv and ask Docker nothing. Docker settings (GPUs, folders,
+# mirrors) come from .env; docs/container.md has the details.
+TOP := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
+dotenv = $(shell [ -f .env ] && sed -n 's/^$(1)=//p' .env | tail -1)
+ENGINE_GOALS := $(filter-out help venv venv-quant test% lint lock% clean-cache,$(or $(MAKECMDGOALS),help))
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" \
+	|| { command -v docker-compose >/dev/null 2>&1 && echo docker-compose; })
+ifneq ($(ENGINE_GOALS),)
+# No reachable Docker engine, or no Compose: run in the host venv rather than fail (say so once).
 ifeq ($(origin LOCAL),undefined)
 LOCAL := $(shell docker info >/dev/null 2>&1 || echo 1)
 ifeq ($(LOCAL),1)
 $(info tuneledger: no Docker engine reachable; running in the host venv (.venv). Set LOCAL=0 to insist on the container.)
+else ifeq ($(COMPOSE),)
+LOCAL := 1
+$(info tuneledger: Docker answers but Docker Compose is missing (install docker-compose-plugin from Docker's repository, or docker-compose); running in the host venv (.venv).)
+endif
+endif
+ifneq ($(LOCAL),1)
+ifeq ($(COMPOSE),)
+$(error tuneledger: LOCAL=0 needs Docker Compose: install docker-compose-plugin (Docker's repository) or docker-compose (Debian, Ubuntu), or run with LOCAL=1)
+endif
+# GPUs in the containers: the NVIDIA runtime (docker-compose.gpu.yml), a CDI spec
+# (docker-compose.cdi.yml), or neither (docker-compose.yml alone: CPU). TUNELEDGER_GPU=nvidia|cdi|none
+# or COMPOSE_FILE (environment or .env) overrides the detection.
+TUNELEDGER_GPU ?= $(call dotenv,TUNELEDGER_GPU)
+DOCKER_FACTS := $(shell TUNELEDGER_GPU=$(TUNELEDGER_GPU) $(TOP)docker/engine-facts)
+DOCKER_GPU := $(patsubst gpu=%,%,$(filter gpu=%,$(DOCKER_FACTS)))
+DOCKER_ROOTLESS := $(filter rootless=1,$(DOCKER_FACTS))
+ifeq ($(origin COMPOSE_FILE),undefined)
+COMPOSE_FILE := $(or $(call dotenv,COMPOSE_FILE),docker-compose.yml$(if $(filter nvidia,$(DOCKER_GPU)),:docker-compose.gpu.yml)$(if $(filter cdi,$(DOCKER_GPU)),:docker-compose.cdi.yml))
+endif
+# The containers run as you (`id -u`:`id -g`, 0:0 on a root-only box), so their files are yours;
+# HOST_UID/HOST_GID in .env win. Rootless Docker: 0:0 is you, and memlock cannot pass your limit.
+ifeq ($(origin HOST_UID),undefined)
+HOST_UID := $(or $(call dotenv,HOST_UID),$(if $(DOCKER_ROOTLESS),0,$(shell id -u)))
+endif
+ifeq ($(origin HOST_GID),undefined)
+HOST_GID := $(or $(call dotenv,HOST_GID),$(if $(DOCKER_ROOTLESS),0,$(shell id -g)))
+endif
+ifneq ($(DOCKER_ROOTLESS),)
+ifeq ($(origin MEMLOCK),undefined)
+MEMLOCK := $(or $(call dotenv,MEMLOCK),$(shell l=$$(ulimit -Hl); [ "$$l" = unlimited ] && echo -1 || echo $$((l * 1024))))
+endif
+export MEMLOCK
+endif
+export COMPOSE_FILE HOST_UID HOST_GID
+DOCKER_HAS_GPU := $(if $(filter nvidia cdi,$(DOCKER_GPU)),1)
+NO_RUNTIME_HINT := (this host has GPUs: install the NVIDIA Container Toolkit to use them in Docker, or run LOCAL=1)
+$(info tuneledger: $(if $(DOCKER_HAS_GPU),Docker with $(if $(filter cdi,$(DOCKER_GPU)),an NVIDIA CDI spec,the NVIDIA runtime): every GPU in the containers,Docker without the NVIDIA runtime: CPU only$(if $(shell nvidia-smi -L 2>/dev/null), $(NO_RUNTIME_HINT))); compose files $(subst :, + ,$(COMPOSE_FILE)); as $(HOST_UID):$(HOST_GID)$(if $(DOCKER_ROOTLESS), (rootless Docker)))
 endif
 endif
 ifeq ($(LOCAL),1)
@@ -36,7 +79,7 @@ TL = $(EXEC) tuneledger
 
 # With a GPU the default job is the reference QLoRA config on the synthetic Qwen2.5-7B; without
 # one it is the same job on a tiny random Qwen2 (CPU, gloo), so `make dryrun` runs anywhere.
-HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+HAS_GPU := $(if $(filter 1,$(LOCAL)),$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1),$(DOCKER_HAS_GPU))
 ifeq ($(HAS_GPU),1)
 CONFIG ?= configs/qwen2.5-7b-qlora.yaml
 SYNTH ?= models/synthetic-qwen2.5-7b
@@ -138,13 +181,13 @@ fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or
 	@case "$(origin MODEL)" in "command line"|environment) ;; *) echo "usage: make fetch MODEL=<hub id>, e.g. Qwen/Qwen2.5-7B-Instruct"; exit 2;; esac
 	$(EXEC) fetch-model $(MODEL)
 
-# BuildKit (the Dockerfile's cache and secret mounts): the default of Compose v2; docker-compose 1.x
-# needs the two variables.
+# docker/build: BuildKit where the Docker client has it, else the legacy builder (it says so, and
+# names the package that brings buildx); the OCI labels revision, created and source from git.
 image: ## build the image: CUDA 12.1, Python 3.10, torch 2.5.1, the lock (mirrors and sources from .env)
-	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) build trainer
+	COMPOSE="$(COMPOSE)" $(TOP)docker/build trainer
 
 image-quant: ## build the INT4 step's image (Dockerfile.quant: Python 3.11, torch 2.13, llm-compressor)
-	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) --profile quantize build quantize
+	COMPOSE="$(COMPOSE)" $(TOP)docker/build quantize
 
 # Docker creates a missing bind-mount folder as root; create them first, as you.
 host-dirs:
