@@ -239,9 +239,11 @@ lock-check-quant: $(VENV_QUANT)/.stamp ## fail if requirements-quant.txt is out 
 lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml, check that settings agree
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/hadolint Dockerfile.quant
-	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml docker-compose.gpu.yml docker-compose.cdi.yml
 	$(VENV)/bin/python docker/check-settings.py
-	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh bench/*.sh; do bash -n "$$f" || exit 1; done
-	@if command -v docker-compose >/dev/null 2>&1; then docker-compose -f docker-compose.yml config -q && echo "docker-compose config: ok"; \
-	elif docker compose version >/dev/null 2>&1; then docker compose -f docker-compose.yml config -q && echo "docker compose config: ok"; \
-	else echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; fi
+	$(VENV)/bin/python -c 'import ast; ast.parse(open("docker/monitor-health").read())'
+	@for f in docker/*.sh docker/fetch-model docker/build docker/engine-facts .ci/run .ci/*.sh bench/*.sh; do bash -n "$$f" || exit 1; done
+	@c=$$(command -v docker-compose >/dev/null 2>&1 && echo docker-compose || { docker compose version >/dev/null 2>&1 && echo "docker compose"; }); \
+	if [ -z "$$c" ]; then echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; \
+	else for o in "" docker-compose.gpu.yml docker-compose.cdi.yml; do \
+		env -u COMPOSE_FILE $$c -f docker-compose.yml $${o:+-f $$o} config -q || exit 1; done; echo "$$c config: docker-compose.yml and its GPU overlays ok"; fi
