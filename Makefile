@@ -59,9 +59,11 @@ endif
 export MEMLOCK
 endif
 export COMPOSE_FILE HOST_UID HOST_GID
-DOCKER_HAS_GPU := $(if $(filter nvidia cdi,$(DOCKER_GPU)),1)
+# The job follows the compose files: the QLoRA job with a GPU overlay, the tiny CPU job without.
+DOCKER_HAS_GPU := $(if $(filter %.gpu.yml %.cdi.yml,$(subst :, ,$(COMPOSE_FILE))),1)
+DOCKER_SAYS := Docker $(if $(filter nvidia,$(DOCKER_GPU)),with the NVIDIA runtime,$(if $(filter cdi,$(DOCKER_GPU)),with an NVIDIA CDI spec,without the NVIDIA runtime))
 NO_RUNTIME_HINT := (this host has GPUs: install the NVIDIA Container Toolkit to use them in Docker, or run LOCAL=1)
-$(info tuneledger: $(if $(DOCKER_HAS_GPU),Docker with $(if $(filter cdi,$(DOCKER_GPU)),an NVIDIA CDI spec,the NVIDIA runtime): every GPU in the containers,Docker without the NVIDIA runtime: CPU only$(if $(shell nvidia-smi -L 2>/dev/null), $(NO_RUNTIME_HINT))); compose files $(subst :, + ,$(COMPOSE_FILE)); as $(HOST_UID):$(HOST_GID)$(if $(DOCKER_ROOTLESS), (rootless Docker)))
+$(info tuneledger: $(DOCKER_SAYS): $(if $(DOCKER_HAS_GPU),every GPU in the containers,CPU only$(if $(filter none,$(DOCKER_GPU)),$(if $(shell nvidia-smi -L 2>/dev/null), $(NO_RUNTIME_HINT))))$(if $(DOCKER_ROOTLESS), (rootless Docker)); compose files $(subst :, + ,$(COMPOSE_FILE)); as $(HOST_UID):$(HOST_GID))
 endif
 endif
 ifeq ($(LOCAL),1)
@@ -79,7 +81,7 @@ TL = $(EXEC) tuneledger
 
 # With a GPU the default job is the reference QLoRA config on the synthetic Qwen2.5-7B; without
 # one it is the same job on a tiny random Qwen2 (CPU, gloo), so `make dryrun` runs anywhere.
-HAS_GPU := $(if $(filter 1,$(LOCAL)),$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1),$(DOCKER_HAS_GPU))
+HAS_GPU := $(if $(DOCKER_FACTS),$(DOCKER_HAS_GPU),$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1))
 ifeq ($(HAS_GPU),1)
 CONFIG ?= configs/qwen2.5-7b-qlora.yaml
 SYNTH ?= models/synthetic-qwen2.5-7b
