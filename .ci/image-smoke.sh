@@ -78,7 +78,8 @@ for kind in nvidia cdi; do
     said=$(PATH="$work/$kind:$PATH" make -n dryrun 2>&1 | grep '^tuneledger:' || true)
     echo "  $kind engine: $said"
     case "$said" in *"compose files docker-compose.yml + docker-compose.$([ $kind = nvidia ] && echo gpu || echo cdi).yml;"*) ;; *) fail "make's choice on a $kind engine: $said";; esac
-    PATH="$work/$kind:$PATH" make -n dryrun 2>&1 | grep -q 'configs/qwen2.5-7b-qlora.yaml' || fail "$kind engine: dryrun is not the GPU job"
+    out=$(PATH="$work/$kind:$PATH" make -n dryrun 2>&1)
+    grep -q 'configs/qwen2.5-7b-qlora.yaml' <<<"$out" || fail "$kind engine: dryrun is not the GPU job"
 done
 vals=$(env -u HOST_UID -u HOST_GID PATH="$work/rootless:$PATH" make --eval 'print-%: ; @echo $*=$($*)' print-HOST_UID print-HOST_GID print-MEMLOCK 2>/dev/null | grep '=' | tr '\n' ' ')
 echo "  rootless engine: $vals"
@@ -303,7 +304,7 @@ out=$(hc "$now" "$(hostname)") || fail "a fresh row failed: $out"; echo "  fresh
 step "fresh clone: make stats, then make dryrun, in the container beside the monitor (issue 11.1)"
 t0=$(date +%s)
 fresh make stats >"$work/make-stats.log" 2>&1 || { tail -30 "$work/make-stats.log"; fail "make stats"; }
-grep -E '^tuneledger:|records|tokens' "$work/make-stats.log" | head -8
+grep -E '^tuneledger:|records|tokens' "$work/make-stats.log" | head -8 || true
 grep -q '^tuneledger: Docker without the NVIDIA runtime: CPU only; compose files docker-compose.yml;' "$work/make-stats.log" \
     || fail "make stats: which compose files it chose"
 [ -f "$clone/runs/tiny/stats.json" ] || fail "make stats wrote no runs/tiny/stats.json"
