@@ -20,25 +20,18 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # ---- system packages: Python 3.10 ---------------------------------------------------------------
 # APT_MIRROR replaces the host of Ubuntu's (or Debian's) archive for this step only, e.g.
-# https://mirrors.tuna.tsinghua.edu.cn; the base's sources are restored afterwards. NVIDIA's CUDA
-# apt repository is left out of this step: nothing is installed from it.
-# PYTHON / PYTHON_APT_PACKAGES: Ubuntu's python3.10; CI's Debian stand-in passes its own.
+# https://mirrors.tuna.tsinghua.edu.cn; the base's sources are restored afterwards
+# (docker/apt-install.sh, shared with Dockerfile.quant).
+# PYTHON / PYTHON_APT_PACKAGES: Ubuntu's python3.10; CI's Debian stand-in passes its own
+# (compose: IMAGE_PYTHON, IMAGE_PYTHON_APT_PACKAGES).
 ARG APT_MIRROR=
 ARG PYTHON=python3.10
 ARG PYTHON_APT_PACKAGES="python3.10 python3.10-venv"
+COPY docker/apt-install.sh /tmp/apt-install.sh
 RUN set -eux; \
-    mkdir /tmp/apt-orig; \
-    cp -a /etc/apt/sources.list* /tmp/apt-orig/; \
-    rm -f /etc/apt/sources.list.d/cuda*.list /etc/apt/sources.list.d/nvidia*.list; \
-    if [ -n "$APT_MIRROR" ]; then \
-        find /etc/apt -maxdepth 2 \( -name sources.list -o -name '*.list' -o -name '*.sources' \) -type f -print0 \
-        | xargs -0 sed -i -E "s#https?://(archive|security|ports)\.ubuntu\.com#${APT_MIRROR%/}#g; s#https?://(deb|security)\.debian\.org#${APT_MIRROR%/}#g"; \
-    fi; \
-    apt-get update; \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates ${PYTHON_APT_PACKAGES}; \
-    rm -rf /var/lib/apt/lists/* /etc/apt/sources.list /etc/apt/sources.list.d; \
-    cp -a /tmp/apt-orig/. /etc/apt/; \
-    rm -rf /tmp/apt-orig; \
+    /tmp/apt-install.sh ca-certificates ${PYTHON_APT_PACKAGES}; \
+    rm /tmp/apt-install.sh; \
+    command -v setpriv; \
     "$PYTHON" -m venv /opt/venv
 
 ENV VIRTUAL_ENV=/opt/venv \
@@ -86,13 +79,14 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 ARG USER_UID=1000
 ARG USER_GID=1000
 COPY docker/entrypoint.sh /usr/local/bin/tuneledger-entrypoint
+COPY docker/monitor-health /usr/local/bin/monitor-health
+COPY docker/add-user.sh /usr/local/sbin/tuneledger-add-user
 COPY docker/fetch-model /usr/local/bin/fetch-model
 COPY pyproject.toml README.md /workspace/
 COPY src /workspace/src
 COPY configs /workspace/configs
 RUN set -eux; \
-    groupadd --gid "$USER_GID" tuneledger; \
-    useradd --create-home --uid "$USER_UID" --gid "$USER_GID" --shell /bin/bash tuneledger; \
+    tuneledger-add-user "$USER_UID" "$USER_GID"; \
     python -m pip install --disable-pip-version-check --no-cache-dir --no-index --no-deps --no-build-isolation -e /workspace; \
     mkdir -p /workspace/models /workspace/data /workspace/runs /workspace/.cache; \
     chown -R "$USER_UID:$USER_GID" /workspace; \
@@ -112,10 +106,18 @@ ENV HF_HOME=/workspace/.cache/huggingface \
     NCCL_DEBUG=WARN
 
 ARG BASE_IMAGE
+# Which commit, when, from where: `make image` (docker/build) fills these from git and the clock,
+# the GitHub workflow from its run. Declared here, after every RUN, so a new value rebuilds nothing.
+ARG IMAGE_REVISION=
+ARG IMAGE_CREATED=
+ARG IMAGE_SOURCE=
 LABEL org.opencontainers.image.title="tuneledger" \
       org.opencontainers.image.description="Measure, then fine-tune: distributed LoRA/QLoRA of ~7B chat models" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.revision="${IMAGE_REVISION}" \
+      org.opencontainers.image.created="${IMAGE_CREATED}" \
+      org.opencontainers.image.source="${IMAGE_SOURCE}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.tuneledger.python="${PYTHON_VERSION}" \
       io.tuneledger.cuda="${TORCH_CUDA}" \

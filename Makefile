@@ -11,20 +11,60 @@ PYTHON ?= $(shell for p in python3.10 $$HOME/.pyenv/versions/3.10.13/bin/python3
 	$$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
 VENV ?= .venv
 
-# Where the verbs run: in the `trainer` container (docker compose, the pinned image, every GPU) by
-# default; LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`
-# always runs in the host venv. Docker settings (GPUs, folders, mirrors) come from .env.
+# Where the verbs run: in the `trainer` container (docker compose, the pinned image) by default;
+# LOCAL=1 runs the same command in the host venv, for machines without Docker. `make test`, `lint`
+# and `lock*` always run in the host venv and ask Docker nothing. Docker settings (GPUs, folders,
+# mirrors) come from .env; docs/container.md has the details.
+TOP := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
+dotenv = $(shell [ -f .env ] && sed -n 's/^$(1)=//p' .env | tail -1)
+ENGINE_GOALS := $(filter-out help venv venv-quant test% lint lock% clean-cache,$(or $(MAKECMDGOALS),help))
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" \
 	|| { command -v docker-compose >/dev/null 2>&1 && echo docker-compose; })
-# The verbs that would run in the container; only they say where they run.
-CONTAINER_VERBS := stats dryrun train export quantize monitor fetch
-# No reachable Docker engine: run in the host venv rather than fail (say so once).
+ifneq ($(ENGINE_GOALS),)
+# No reachable Docker engine, or no Compose: run in the host venv rather than fail (say so once).
 ifeq ($(origin LOCAL),undefined)
 LOCAL := $(shell docker info >/dev/null 2>&1 || echo 1)
 ifeq ($(LOCAL),1)
-ifneq ($(filter $(CONTAINER_VERBS),$(MAKECMDGOALS)),)
 $(info tuneledger: no Docker engine reachable; running in the host venv (.venv). Set LOCAL=0 to insist on the container.)
+else ifeq ($(COMPOSE),)
+LOCAL := 1
+$(info tuneledger: Docker answers but Docker Compose is missing (install docker-compose-plugin from Docker's repository, or docker-compose); running in the host venv (.venv).)
 endif
+endif
+ifneq ($(LOCAL),1)
+ifeq ($(COMPOSE),)
+$(error tuneledger: LOCAL=0 needs Docker Compose: install docker-compose-plugin (Docker's repository) or docker-compose (Debian, Ubuntu), or run with LOCAL=1)
+endif
+# GPUs in the containers: the NVIDIA runtime (docker-compose.gpu.yml), a CDI spec
+# (docker-compose.cdi.yml), or neither (docker-compose.yml alone: CPU). TUNELEDGER_GPU=nvidia|cdi|none
+# or COMPOSE_FILE (environment or .env) overrides the detection.
+TUNELEDGER_GPU ?= $(call dotenv,TUNELEDGER_GPU)
+DOCKER_FACTS := $(shell TUNELEDGER_GPU=$(TUNELEDGER_GPU) $(TOP)docker/engine-facts)
+DOCKER_GPU := $(patsubst gpu=%,%,$(filter gpu=%,$(DOCKER_FACTS)))
+DOCKER_ROOTLESS := $(filter rootless=1,$(DOCKER_FACTS))
+ifeq ($(origin COMPOSE_FILE),undefined)
+COMPOSE_FILE := $(or $(call dotenv,COMPOSE_FILE),docker-compose.yml$(if $(filter nvidia,$(DOCKER_GPU)),:docker-compose.gpu.yml)$(if $(filter cdi,$(DOCKER_GPU)),:docker-compose.cdi.yml))
+endif
+# The containers run as you (`id -u`:`id -g`, 0:0 on a root-only box), so their files are yours;
+# HOST_UID/HOST_GID in .env win. Rootless Docker: 0:0 is you, and memlock cannot pass your limit.
+ifeq ($(origin HOST_UID),undefined)
+HOST_UID := $(or $(call dotenv,HOST_UID),$(if $(DOCKER_ROOTLESS),0,$(shell id -u)))
+endif
+ifeq ($(origin HOST_GID),undefined)
+HOST_GID := $(or $(call dotenv,HOST_GID),$(if $(DOCKER_ROOTLESS),0,$(shell id -g)))
+endif
+ifneq ($(DOCKER_ROOTLESS),)
+ifeq ($(origin MEMLOCK),undefined)
+MEMLOCK := $(or $(call dotenv,MEMLOCK),$(shell l=$$(ulimit -Hl); [ "$$l" = unlimited ] && echo -1 || echo $$((l * 1024))))
+endif
+export MEMLOCK
+endif
+export COMPOSE_FILE HOST_UID HOST_GID
+# The job follows the compose files: the QLoRA job with a GPU overlay, the tiny CPU job without.
+DOCKER_HAS_GPU := $(if $(filter %.gpu.yml %.cdi.yml,$(subst :, ,$(COMPOSE_FILE))),1)
+DOCKER_SAYS := Docker $(if $(filter nvidia,$(DOCKER_GPU)),with the NVIDIA runtime,$(if $(filter cdi,$(DOCKER_GPU)),with an NVIDIA CDI spec,without the NVIDIA runtime))
+NO_RUNTIME_HINT := (this host has GPUs: install the NVIDIA Container Toolkit to use them in Docker, or run LOCAL=1)
+$(info tuneledger: $(DOCKER_SAYS): $(if $(DOCKER_HAS_GPU),every GPU in the containers,CPU only$(if $(filter none,$(DOCKER_GPU)),$(if $(shell nvidia-smi -L 2>/dev/null), $(NO_RUNTIME_HINT))))$(if $(DOCKER_ROOTLESS), (rootless Docker)); compose files $(subst :, + ,$(COMPOSE_FILE)); as $(HOST_UID):$(HOST_GID))
 endif
 endif
 ifeq ($(LOCAL),1)
@@ -34,15 +74,15 @@ TLQ = $(VENV_QUANT)/bin/tuneledger
 QENV_DEP = $(VENV_QUANT)/.stamp
 else
 EXEC = $(COMPOSE) run --rm trainer
-ENV_DEP = compose-check host-dirs
+ENV_DEP = host-dirs
 TLQ = $(COMPOSE) run --rm quantize tuneledger
-QENV_DEP = compose-check host-dirs
+QENV_DEP = host-dirs
 endif
 TL = $(EXEC) tuneledger
 
 # With a GPU the default job is the reference QLoRA config on the synthetic Qwen2.5-7B; without
 # one it is the same job on a tiny random Qwen2 (CPU, gloo), so `make dryrun` runs anywhere.
-HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+HAS_GPU := $(if $(DOCKER_FACTS),$(DOCKER_HAS_GPU),$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1))
 ifeq ($(HAS_GPU),1)
 CONFIG ?= configs/qwen2.5-7b-qlora.yaml
 SYNTH ?= models/synthetic-qwen2.5-7b
@@ -203,13 +243,13 @@ fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or
 	@case "$(origin MODEL)" in "command line"|environment) ;; *) echo "usage: make fetch MODEL=<hub id>, e.g. Qwen/Qwen2.5-7B-Instruct"; exit 2;; esac
 	$(EXEC) fetch-model $(MODEL)
 
-# BuildKit (the Dockerfile's cache and secret mounts): the default of Compose v2; docker-compose 1.x
-# needs the two variables.
+# docker/build: BuildKit where the Docker client has it, else the legacy builder (it says so, and
+# names the package that brings buildx); the OCI labels revision, created and source from git.
 image: ## build the image: CUDA 12.1, Python 3.10, torch 2.5.1, the lock (mirrors and sources from .env)
-	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) build trainer
+	COMPOSE="$(COMPOSE)" $(TOP)docker/build trainer
 
 image-quant: ## build the INT4 step's image (Dockerfile.quant: Python 3.11, torch 2.13, llm-compressor)
-	DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1 $(COMPOSE) --profile quantize build quantize
+	COMPOSE="$(COMPOSE)" $(TOP)docker/build quantize
 
 compose-check:
 	@test -n "$(COMPOSE)" || { echo "LOCAL=0 runs the verbs with Docker Compose, and neither \`docker compose\` (the Compose v2 plugin: Debian/Ubuntu package docker-compose-plugin from Docker's apt repository, or docker-compose-v2) nor docker-compose (package docker-compose) is installed. Install one (https://docs.docker.com/compose/install/), or run in the host venv with LOCAL=1." >&2; exit 1; }
@@ -264,11 +304,13 @@ lock-check-quant: $(VENV_QUANT)/.stamp ## fail if requirements-quant.txt is out 
 lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml and the k8s manifests, check that settings agree
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/hadolint Dockerfile.quant
-	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml docker-compose.gpu.yml docker-compose.cdi.yml
 	$(VENV)/bin/check-jsonschema --schemafile deploy/k8s/schemas/pytorchjob-kubeflow.org-v1.json deploy/k8s/pytorchjob.yaml
 	$(VENV)/bin/check-jsonschema --schemafile deploy/k8s/schemas/jobset-jobset.x-k8s.io-v1alpha2.json deploy/k8s/jobset.yaml
 	$(VENV)/bin/python docker/check-settings.py
-	@for f in docker/*.sh docker/fetch-model .ci/run .ci/*.sh bench/*.sh deploy/slurm/*.sbatch; do bash -n "$$f" || exit 1; done
-	@if command -v docker-compose >/dev/null 2>&1; then docker-compose -f docker-compose.yml config -q && echo "docker-compose config: ok"; \
-	elif docker compose version >/dev/null 2>&1; then docker compose -f docker-compose.yml config -q && echo "docker compose config: ok"; \
-	else echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; fi
+	$(VENV)/bin/python -c 'import ast; ast.parse(open("docker/monitor-health").read())'
+	@for f in docker/*.sh docker/fetch-model docker/build docker/engine-facts .ci/run .ci/*.sh bench/*.sh deploy/slurm/*.sbatch; do bash -n "$$f" || exit 1; done
+	@c=$$(command -v docker-compose >/dev/null 2>&1 && echo docker-compose || { docker compose version >/dev/null 2>&1 && echo "docker compose"; }); \
+	if [ -z "$$c" ]; then echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; \
+	else for o in "" docker-compose.gpu.yml docker-compose.cdi.yml; do \
+		env -u COMPOSE_FILE $$c -f docker-compose.yml $${o:+-f $$o} config -q || exit 1; done; echo "$$c config: docker-compose.yml and its GPU overlays ok"; fi

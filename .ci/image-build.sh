@@ -5,12 +5,16 @@
 #      own data root and socket, and stops it by its pid at the end, whatever happens;
 #   2. makes the base image locally: debootstrap Debian bookworm, plus this machine's CA store and
 #      its Python 3.10 (Debian 12 has none), passed in through BASE_IMAGE;
-#   3. builds the Dockerfile with PyPI's torch 2.5.1 (CUDA 12.4; PyTorch's cu121 index is out of
-#      reach here) and without flash-attn (no GitHub here);
-#   4. smoke-tests it through the compose file (.ci/image-smoke.sh): --version, labels against the
-#      build record, the SDPA fallback, synth-model, preflight, `stats` on the shared alpaca data
-#      against the known counts, the monitor sidecar (stays up, records "no GPU" rows), TensorBoard;
-#      and checks that no mirror setting given to the build is left in the image.
+#   3. builds the Dockerfile as a user does, `make image` (docker compose build through docker/build:
+#      BuildKit where the docker client has it, the legacy builder where it has no buildx), with
+#      PyPI's torch 2.5.1 (CUDA 12.4; PyTorch's cu121 index is out of reach here), without
+#      flash-attn (no GitHub here), and an https APT_MIRROR on a base without a CA store; then again
+#      from the layer cache with HOST_UID/HOST_GID 0:0 and 1000:100 (IDs the base already has);
+#   4. smoke-tests it through the compose file (.ci/image-smoke.sh): the CPU/GPU compose choice,
+#      --version, labels against the build record, the SDPA fallback, synth-model, preflight,
+#      `stats` on the shared alpaca data against the known counts, the SIGTERM grace period,
+#      TensorBoard, and from a fresh clone the monitor (healthy, writing rows), `make stats` and
+#      `make dryrun`; and checks that no mirror setting given to the build is left in the image.
 # Needs root, and .venv (make venv) for its YAML and JSON checks. Prints a time for every step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +35,7 @@ cat <<'EOF'
     bookworm stand-in is used, with this machine's Python 3.10.13 copied in, not Ubuntu's python3.10;
   - torch 2.5.1+cu121 from PyTorch's cu121 index and its hash: unreachable here, so PyPI's
     torch 2.5.1 (CUDA 12.4) is installed; nor the flash-attn wheel and its import test (no GitHub);
-  - the GPU runtime: the NVIDIA container toolkit, compose's GPU reservations (removed here), NCCL,
+  - the GPU runtime: the NVIDIA container toolkit, the GPU compose overlays (docker-compose.gpu.yml, .cdi.yml: only validated here), NCCL,
     bitsandbytes' CUDA library, the monitor's real GPU rows.
   .github/workflows/image.yml builds the real image (CUDA base, cu121 torch, flash-attn) on GitHub;
   only a GPU machine proves the runtime.
@@ -46,8 +50,9 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-docker=/usr/bin/docker  # Debian's client: BuildKit built in (another docker on PATH may want buildx)
+docker=/usr/bin/docker  # Debian's client, for inspect and run; `make image` uses the docker on PATH
 /usr/sbin/dockerd --version
+echo "docker on PATH: $(command -v docker) $(docker version --format '{{.Client.Version}}' 2>/dev/null); buildx: $(docker buildx version 2>/dev/null || echo none)"
 /usr/bin/docker-compose --version
 
 work=$(mktemp -d /var/tmp/tuneledger-ci.XXXXXX)
@@ -89,28 +94,39 @@ tar -C "$rootfs" -c . | $docker import - tuneledger-ci/base:bookworm >/dev/null
 rm -rf "$rootfs"
 $docker image ls tuneledger-ci/base
 
-step "docker build (BASE_IMAGE=the local base, PyPI's torch, no flash-attn)"
+step "make image (BASE_IMAGE=the local base, PyPI's torch, no flash-attn, an https APT_MIRROR)"
 # APT_MIRROR and PIP_TRUSTED_HOST are canaries: working values that must not be left in the image.
-apt_canary=http://deb.debian.org:80
+# The https mirror also proves the CA step: the debootstrap base has no CA store.
+apt_canary=https://deb.debian.org:443
 pip_canary=ci-canary.invalid
+build_env=(IMAGE=tuneledger:ci COMPOSE=docker-compose BASE_IMAGE=tuneledger-ci/base:bookworm
+    IMAGE_PYTHON=/opt/python3.10/bin/python3.10
+    "IMAGE_PYTHON_APT_PACKAGES=libssl3 libffi8 libsqlite3-0 libbz2-1.0 liblzma5 zlib1g libreadline8 libncursesw6 libexpat1 libnsl2 libuuid1 libcrypt1"
+    APT_MIRROR=$apt_canary PIP_INDEX_URL=https://pypi.org/simple PIP_TRUSTED_HOST=$pip_canary
+    TORCH_INDEX_URL= TORCH_CUDA=12.4 FLASH_ATTN_WHEEL_URL= FLASH_ATTN_VERSION=none)
 build_start=$(date +%s)
-$docker build --progress=plain -t tuneledger:ci \
-    --build-arg BASE_IMAGE=tuneledger-ci/base:bookworm \
-    --build-arg PYTHON=/opt/python3.10/bin/python3.10 \
-    --build-arg "PYTHON_APT_PACKAGES=libssl3 libffi8 libsqlite3-0 libbz2-1.0 liblzma5 zlib1g libreadline8 libncursesw6 libexpat1 libnsl2 libuuid1 libcrypt1" \
-    --build-arg APT_MIRROR=$apt_canary \
-    --build-arg PIP_INDEX_URL=https://pypi.org/simple \
-    --build-arg PIP_TRUSTED_HOST=$pip_canary \
-    --build-arg TORCH_INDEX_URL= --build-arg TORCH_CUDA=12.4 \
-    --build-arg FLASH_ATTN_WHEEL_URL= --build-arg FLASH_ATTN_VERSION=none \
-    . 2>&1 | tee "$work/build.log" | grep -E '^#[0-9]+ (\[|DONE|ERROR)|^#[0-9]+ [0-9.]+ (---|torch\.|torch C|  [a-z_-]+ +[^ ]|No broken|ERROR|error)' \
-    || { tail -40 "$work/build.log"; fail "docker build"; }
-grep -q 'writing image' "$work/build.log" || { tail -40 "$work/build.log"; fail "docker build"; }
+env "${build_env[@]}" HOST_UID=1000 HOST_GID=1000 make image >"$work/build.log" 2>&1 \
+    || { tail -40 "$work/build.log"; fail "make image"; }
+grep -E '^tuneledger:|has no buildx|docker-buildx|apt-install:|^(#[0-9]+ [0-9.]+ )?(torch\.|---|  [a-z_-]+ +[^ ])|Successfully built|writing image' "$work/build.log" | head -40 || true
+$docker image inspect tuneledger:ci >/dev/null 2>&1 || { tail -40 "$work/build.log"; fail "make image made no tuneledger:ci"; }
 echo "image built in $(( $(date +%s) - build_start ))s: $($docker image ls tuneledger:ci --format '{{.Size}}')"
 $docker image inspect tuneledger:ci --format '{{range $k, $v := .Config.Labels}}{{println $k "=" $v}}{{end}}'
 
+step "HOST_UID/HOST_GID 0:0 (root-only boxes) and 1000:100 (a GID the base has) build, from the layer cache"
+for ids in 0:0 1000:100; do
+    t0=$(date +%s)
+    env "${build_env[@]}" IMAGE=tuneledger:ci-ids HOST_UID=${ids%:*} HOST_GID=${ids#*:} make image >"$work/build-ids.log" 2>&1 \
+        || { tail -30 "$work/build-ids.log"; fail "make image with HOST_UID:HOST_GID $ids"; }
+    got=$($docker run --rm tuneledger:ci-ids sh -c 'echo "$(id -u):$(id -g) $(stat -c %u:%g /workspace/runs) $(tuneledger --version)"')
+    echo "  $ids: built in $(( $(date +%s) - t0 ))s; runs as, /workspace/runs owner, version: $got"
+    [ "${got%% *}" = "$ids" ] || fail "HOST_UID:HOST_GID $ids: the image runs as ${got%% *}"
+    grep -E 'add-user:' "$work/build-ids.log" | sed 's/^/    /' | head -3 || true
+    $docker rmi tuneledger:ci-ids >/dev/null
+done
+
 step "smoke tests through docker-compose.yml (.ci/image-smoke.sh)"
-IMAGE=tuneledger:ci DATA_DIR=$data COMPOSE=docker-compose DOCKER=$docker PYTHON=$py bash .ci/image-smoke.sh
+IMAGE=tuneledger:ci DATA_DIR=$data COMPOSE=docker-compose DOCKER=$docker PYTHON=$py EXPECT_REVISION=$(git rev-parse HEAD) \
+    bash .ci/image-smoke.sh
 
 step "no mirror, proxy or token from the build is left in the image"
 env_leak=$($docker image inspect tuneledger:ci --format '{{range .Config.Env}}{{println .}}{{end}}' \
@@ -122,7 +138,8 @@ file_leak=$($docker run --rm --user 0 --entrypoint sh tuneledger:ci -c \
 echo "  image environment and /etc, /root, /home, /workspace, the venv's config: clean"
 
 step "done: image built and smoke-tested"
-echo "Proven here: the Dockerfile builds from a bare base through its build args; the lock installs"
-echo "with --require-hashes on Python 3.10 and pip check passes; labels match what is installed; the"
-echo "CLI, synth-model, preflight and stats run as a non-root user through docker-compose.yml; the"
-echo "monitor and TensorBoard services stay up. Not proven here: see the notice at the top of this step."
+echo "Proven here: make image builds the Dockerfile from a bare base through compose's build args (any"
+echo "HOST_UID/HOST_GID, an https apt mirror); the lock installs with --require-hashes on Python 3.10"
+echo "and pip check passes; labels match what is installed; on Docker without NVIDIA, make picks the CPU"
+echo "compose file, and from a fresh clone the monitor is healthy and writes rows while make stats and"
+echo "make dryrun run in the container. Not proven here: see the notice at the top of this step."

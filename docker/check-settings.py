@@ -12,14 +12,18 @@ import sys
 from pathlib import Path
 
 # Build args that compose fills from a differently named setting.
-ARG_FROM_SETTING = {"USER_UID": "HOST_UID", "USER_GID": "HOST_GID"}
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.cdi.yml")
+ARG_FROM_SETTING = {"USER_UID": "HOST_UID", "USER_GID": "HOST_GID",
+                    "PYTHON": "IMAGE_PYTHON", "PYTHON_APT_PACKAGES": "IMAGE_PYTHON_APT_PACKAGES"}
 
 
 def main(root: Path) -> int:
     args = {m[1]: m[2].strip('"') for f in ("Dockerfile", "Dockerfile.quant")
             for m in re.finditer(r"^ARG (\w+)=(.*)$", (root / f).read_text(), re.M)}
-    compose = {m[1]: m[2] for m in re.finditer(r"\$\{(\w+):?-([^}]*)\}", (root / "docker-compose.yml").read_text())}
-    env = {m[1]: m[2] for m in re.finditer(r"^(\w+)=(.*)$", (root / ".env.example").read_text(), re.M)}
+    compose = {m[1]: m[2] for m in re.finditer(r"\$\{(\w+):?-([^}]*)\}", "".join((root / f).read_text() for f in COMPOSE_FILES))}
+    # A setting is a line NAME=value; "# NAME=value" documents one that is unset by default (make
+    # or compose fills it). Quotes around a value are .env syntax, not part of it.
+    env = {m[1]: m[2].strip('"') for m in re.finditer(r"^(?:# )?([A-Z][A-Z0-9_]*)=(.*)$", (root / ".env.example").read_text(), re.M)}
     problems = [f"docker-compose.yml reads {name}, which .env.example does not document"
                 for name in compose if name not in env]
     for name, value in compose.items():

@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     handler = lambda signum, frame: stop.set()  # noqa: E731
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     print_err(f"tuneledger monitor: sampling {'fake ' if args.fake else ''}GPUs every {args.interval:g} s into "
-            f"{Path(args.out) / (safe_name(monitor.host) + '-<UTC date>.csv')} ({args.count or 'until SIGTERM/SIGINT'} samples)")
+            f"{Path(args.out) / (safe_name(monitor.host) + '-<UTC date>.csv')} "
+            f"({f'{args.count} samples' if args.count else 'until SIGTERM/SIGINT'})")
     try:
         stats = run_loop(monitor, log, args.interval, args.count, stop)
     finally:
