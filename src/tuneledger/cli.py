@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if hasattr(args, "preset") and hasattr(args, "items"):
+            # `--preset D` and `preset=D` mean the same in every verb; the verb reads args.preset
+            # and, for one preset, the config sees it as the override preset=D.
+            from tuneledger.config import preset_from_cli
+
+            items, args.preset = preset_from_cli(list(args.items), args.preset, getattr(args, "preset_all", False))
+            args.items = items + ([f"preset={args.preset}"] if args.preset and args.preset != "ALL" else [])
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"tuneledger {args.verb}: config error: {e}", file=sys.stderr)
