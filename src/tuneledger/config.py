@@ -322,7 +322,8 @@ def preset_from_cli(items: list[str], option: str | None, allow_all: bool = Fals
 
 def add_preset_option(parser: Any, allow_all: bool = False) -> None:
     """`--preset X` on a verb's parser; cli.main merges it with `preset=X` (preset_from_cli)."""
-    parser.add_argument("--preset", metavar="{A,B,C,D,all}" if allow_all else "{A,B,C,D}",
+    parser.add_argument("--preset", type=str.upper, choices=[*PRESETS, "ALL"] if allow_all else list(PRESETS),
+                        metavar="{A,B,C,D,all}" if allow_all else "{A,B,C,D}",
                         help="one preset, or all of them ranked (default: the config's preset)" if allow_all
                         else "the preset (same as preset=X; default: the config's)")
     parser.set_defaults(preset_all=allow_all)
