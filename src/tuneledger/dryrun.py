@@ -366,6 +366,9 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
         print(f"preset {name}: {row['s_per_step']:.3f} s/step (median; p10-p90 {sp['p10']:.3f}-{sp['p90']:.3f}), "
               f"{row['tokens_per_s']:,.0f} tokens/s ({row['tokens_per_s_per_gpu']:,.0f}/GPU), "
               f"ETA of `train` {eta_.fmt_eta(row['eta'])}: {eta_.fmt_parts(row['eta'])}", flush=True)
+        memory = eta_.memory_line(result["ranks"], None)
+        if memory:
+            print(f"preset {name}: {memory}", flush=True)
         if row["fits_24gb"] and row["alloc_retries"]:
             print(f"preset {name}: measured under the {CAP_24GB_GIB:g} GiB cap with {row['alloc_retries']} allocator retries: "
                   "its s/step may read slower than an uncapped train; --no-fit-check measures it uncapped", flush=True)
