@@ -94,14 +94,15 @@ def step_tokens(ranks: list[dict]) -> list[int]:
 
 
 def spread(xs: list[float]) -> dict:
-    """median, p10, p90 (nearest rank), mean, trimmed mean (the middle 80%), min, max."""
+    """median, p10, p90 (nearest rank), mean, trimmed mean (the middle 80%), min, max, sd."""
     if not xs:
         return {}
     s = sorted(xs)
     pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
     k = int(0.1 * len(s))
     return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9), "mean": statistics.fmean(s),
-            "trimmed_mean": statistics.fmean(s[k:len(s) - k]), "min": s[0], "max": s[-1], "n": len(s)}
+            "trimmed_mean": statistics.fmean(s[k:len(s) - k]), "min": s[0], "max": s[-1], "n": len(s),
+            "sd": statistics.stdev(s) if len(s) > 1 else 0.0}
 
 
 def median_range(xs: list[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float]:
@@ -117,7 +118,7 @@ def predict(startup: dict[str, float], warmup: list[float], steady: list[float],
     """The whole command's ETA from measured parts (seconds; see the module doc for the parts).
 
     startup: STARTUP parts; warmup: the run's first steps' durations; steady: the measured steps'
-    durations. Returns parts, total_s with low_s-high_s (the median's bootstrap range), the step
+    durations; eval_s: all of the run's evaluations (their count x the time of one). Returns parts, total_s with low_s-high_s (the median's bootstrap range), the step
     statistics, and what the mean and trimmed mean would have predicted (kept, so every train
     checks the estimators too). Raises ValueError without a steady step.
     """
