@@ -131,7 +131,7 @@ def test_preset_conflicts_are_refused(items, option, allow_all, message):
 
 
 # ------------------------------------------------------------------------- dry-run, then train
-@pytest.mark.e2e
+@pytest.mark.slow  # minutes: main's tier for `make test-all` and CI (registered in main's pyproject.toml)
 def test_dry_run_predicts_the_whole_train_command(tmp_path, tiny_model):
     """A tiny dry-run, then the real train of the same job (2 gloo ranks): the train's steps are the
     ones the dry-run replayed, and the whole command takes what the dry-run said, within 30%.
