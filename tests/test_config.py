@@ -92,7 +92,7 @@ def test_cli_takes_file_and_overrides_before_and_after_options(monkeypatch):
     assert cli.main(["dryrun", str(REF), "lora_rank=8", "--preset", "all", "cutoff_len=512"]) == 0
     assert cli.main(["dryrun", "lora_rank=8", "--preset", "b", str(REF), "cutoff_len=512"]) == 0
     want = sorted([str(REF), "lora_rank=8", "cutoff_len=512"])
-    assert seen == [(want, "ALL"), (want, "B")]
+    assert seen == [(want, "ALL"), (sorted(want + ["preset=B"]), "B")]  # one preset reaches the config too
     for bad in (["dryrun", str(REF), "--bogus"], ["dryrun", str(REF), "--preset", "E"]):
         with pytest.raises(SystemExit):
             cli.main(bad)

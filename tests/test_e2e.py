@@ -41,8 +41,12 @@ def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_mode
         assert r["allreduce"]["bytes"] == r["model"]["trainable_params"] * 4 and r["allreduce"]["busbw_gbs"] > 0
         parts = r["split"]
         assert parts["forward_backward_per_micro_s"] > 0 and parts["micro_batches_per_step"] == r["gradient_accumulation_steps"]
-        assert r["eta"]["total_steps"] == 6  # ceil(48 / 8)
-        assert r["eta"]["total_s"] == pytest.approx(6 * r["s_per_step"] + r["eta"]["checkpoints"] * r["save_s"])
+        e = r["eta"]
+        assert e["total_steps"] == 6  # ceil(48 / 8)
+        assert e["total_s"] == pytest.approx(sum(e["parts"].values()))
+        assert e["parts"]["steps_s"] == pytest.approx(5 * r["s_per_step"])  # the 1 warm-up step is timed as it ran
+        assert e["checkpoints"] == 1 and e["parts"]["saves_s"] == pytest.approx(r["save_s"])  # the final save only
+        assert r["run_steps_replayed"][0] == 0 and len(r["run_steps_replayed"]) == 3
     assert led["data_hash"] and led["versions"]["torch"] and led["finding"].startswith("preset ")
     md = (tmp_path / "dry" / "dryrun.md").read_text()
     assert "SYNTHETIC" in md and "| preset |" in md and "Where the step time goes" in md

@@ -36,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def merge_preset(args: argparse.Namespace) -> None:
+    """`--preset D` and `preset=D` mean the same in every verb that takes a preset: the verb reads
+    args.preset, and for one preset the config sees the override preset=D. Raises ConfigError."""
+    if not (hasattr(args, "preset") and hasattr(args, "items")):
+        return
+    from tuneledger.config import preset_from_cli
+
+    items, args.preset = preset_from_cli(list(args.items), args.preset, getattr(args, "preset_all", False))
+    args.items = items + ([f"preset={args.preset}"] if args.preset and args.preset != "ALL" else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     from tuneledger import quiet
     from tuneledger.config import ConfigError
@@ -56,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        merge_preset(args)
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"tuneledger {args.verb}: config error: {e}", file=sys.stderr)

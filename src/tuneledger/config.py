@@ -428,3 +428,34 @@ def from_cli(items: list[str], default: str | None = None) -> JobConfig:
     if len(files) > 1:
         raise ConfigError(f"one config file expected, got {files}")
     return load_config(files[0] if files else default, [i for i in items if "=" in i])
+
+
+def preset_from_cli(items: list[str], option: str | None, allow_all: bool = False) -> tuple[list[str], str | None]:
+    """`--preset D` and `preset=D` are one setting in every verb that takes a preset.
+
+    Returns (items without `preset=...`, the preset upper-cased, or None when neither is given).
+    Raises ConfigError when the two forms disagree, for an unknown preset, and for `all` where
+    the verb runs one preset (only the dry-run measures them all).
+    """
+    given = [i.partition("=")[2].strip() for i in items if i.partition("=")[0].strip() == "preset"]
+    if option:
+        given.append(option)
+    wanted = sorted({g.upper() for g in given if g})
+    if len(wanted) > 1:
+        raise ConfigError(f"presets {' and '.join(wanted)} both given (--preset and preset=); give one")
+    preset = wanted[0] if wanted else None
+    if preset == "ALL" and not allow_all:
+        raise ConfigError(f"preset all runs every preset, which only dryrun does; choose one of {', '.join(PRESETS)}")
+    if preset is not None and preset != "ALL" and preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}{' or all' if allow_all else ''}")
+    return [i for i in items if i.partition("=")[0].strip() != "preset"], preset
+
+
+def add_preset_option(parser: Any, allow_all: bool = False) -> None:
+    """`--preset X` on a verb's parser; cli.main merges it with `preset=X` (preset_from_cli)."""
+    parser.add_argument("--preset", type=str.upper, choices=[*PRESETS, "ALL"] if allow_all else list(PRESETS),
+                        metavar="{A,B,C,D,all}" if allow_all else "{A,B,C,D}",
+                        help="one preset, or all of them ranked (default: the config's preset)" if allow_all
+                        else "the preset (same as preset=X; default: the config's)")
+    parser.set_defaults(preset_all=allow_all)
+

@@ -2,9 +2,10 @@
 
 For each preset (A-D, or `--preset all`), on every visible GPU through torchrun (gloo processes
 on a CPU): load the model as training would, train `dryrun_steps` steps, time each part, save one
-real checkpoint, and extrapolate the full run from the `stats` numbers. `all` ranks the presets
-by measured tokens/s, because the field report's author predicted B and C would halve the time
-and measurement proved him wrong.
+real checkpoint, and predict the whole `train` command (eta.py): its start-up as measured here,
+the run's own first steps, then real steps of the run drawn across it, saves and teardown. `all`
+ranks the presets by measured tokens/s, because the field report's author predicted B and C would
+halve the time and measurement proved him wrong.
 
 Writes runs/<run_name>/dryrun.json and dryrun.md (versions, GPUs, topology, config, data hash).
 """
@@ -17,19 +18,21 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tuneledger import eta as eta_
 from tuneledger import ledger
-from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, from_cli, resolve
+from tuneledger.config import PRESETS, ConfigError, JobConfig, add_preset_option, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data import DataError
-from tuneledger.stats import prepare_eval, prepare_for_training, run_data_hash
+from tuneledger.stats import load_prepared, prepare_eval, prepare_for_training, run_data_hash
 
 
 
@@ -74,14 +77,16 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
             cap_gib: float | None = None, nodes: Nodes = Nodes(), progress: dict | None = None,
-            eval_path: Path | None = None
+            eval_path: Path | None = None, stats: dict | None = None
             ) -> tuple[int, dict | None, bool]:
     """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
 
     With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof). With
     several nodes, only node 0 clears the (shared) preset folder; the others keep their job file
     beside it, where that cannot delete it. `progress` goes to the worker's step lines
-    (progress.StepProgress).
+    (progress.StepProgress). With `stats`, the worker replays the real run's steps (its first ones,
+    then some across the run); the result gets the launcher's start and exit times (`launcher`)
+    for the ETA's parts.
     """
     name = f"{cfg.preset}{'-cap' if cap_gib else ''}"
     run_dir = out_root / "dryrun" / name
@@ -93,8 +98,14 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
            "result_path": str(run_dir / "result.json"), "cpu": cpu, "eval_data_path": str(eval_path) if eval_path else None,
            "progress": {**(progress or {}), "started_wall": datetime.now(timezone.utc).timestamp()}}
     job_path = run_dir / "job.json" if nodes.first else out_root / "dryrun" / f"job-{name}{nodes.suffix()}.json"
+    if stats:
+        job.update(total_steps=ledger.total_steps(stats, cfg), steps_per_epoch=stats["steps_per_epoch"])
+    t_launch = time.time()
     rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}")
+    t_exit = time.time()
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
+    if result is not None:
+        result["launcher"] = {"t_launch": t_launch, "t_exit": t_exit}
     # The checkpoint was written only to be timed and weighed; its size is in the result.
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -132,17 +143,32 @@ def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
     return {"gpu_window": gpu, "diagnosis_inputs": inputs, "diagnosis": diagnose(inputs, load_thresholds())}
 
 
-def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
+def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
+    """The whole train command's ETA (eta.predict) from this preset's dry-run: `startup` holds the
+    parts this process measured (python_start_s, preflight_s, data_s), the worker's timeline the
+    rest. eval_s is measured when evaluation is configured (0 otherwise)."""
+    w = cfg.dryrun_warmup_steps
+    launcher = result["launcher"]
+    parts = eta_.worker_parts(result, launcher["t_launch"], launcher["t_exit"])
+    measured = {**startup, **{k: parts[k] for k in ("launch_s", "model_load_s", "setup_s")}}
+    save_s = parts["save_s"][0] if parts["save_s"] else 0.0
+    steps = ledger.total_steps(stats, cfg)
+    # The run's evaluations: how many it makes x one evaluation (seconds per eval record, measured
+    # on a sample in the dry-run, x every eval record).
+    timing = result.get("eval_timing")
+    eval_s = ledger.evaluations(steps, cfg, stats["steps_per_epoch"]) * timing["s_per_record"] * timing["eval_records"] \
+        if timing else 0.0
+    return eta_.predict(measured, parts["durations"][:w], parts["durations"][w:], steps,
+                        cfg.save_steps, save_s, parts["finish_s"], eval_s=eval_s,
+                        measured=[k for k in eta_.PARTS if k != "eval_s" or timing])
+
+
+def entry(cfg: JobConfig, result: dict, stats: dict, world: int, startup: dict | None = None) -> dict:
     """One preset's ledger row from its worker result."""
     s = ledger.summarize_run(result, cfg.dryrun_warmup_steps)
     model = result["model"]
     save_s = result["save_s"][0] if result["save_s"] else 0.0
-    steps = ledger.total_steps(stats, cfg)
-    # One evaluation = the measured seconds per eval record x every eval record.
-    timing = result.get("eval_timing")
-    eval_s = timing["s_per_record"] * timing["eval_records"] if timing else 0.0
-    e = ledger.eta(steps, s["s_per_step"], cfg.save_steps, save_s,
-                   ledger.evaluations(steps, cfg, stats["steps_per_epoch"]) if timing else 0, eval_s)
+    e = predict(cfg, result, stats, startup or {})
     peak = result.get("peak_tflops")
     u = ledger.mfu(s["tokens_per_s"], model["matmul_params"], cfg.gradient_checkpointing, world, peak * 1e12 if peak else None)
     return {
@@ -153,6 +179,7 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int) -> dict:
         "save_s": save_s, "checkpoint_bytes": result["checkpoint_bytes"], "eta": e,
         "train_loss": result["train_loss"], "model": model, "allreduce": result.get("allreduce") or {},
         "report_to": result.get("report_to"),  # what was written, not what was asked
+        "alloc_retries": max((r.get("alloc_retries") or 0) for r in result["ranks"]),
         "config": cfg.model_dump(),
     }
 
@@ -185,8 +212,9 @@ def markdown(led: dict) -> str:
         f"- data: {', '.join(led['dataset'])} ({led['stats']['records']['valid']:,} records, {led['stats']['tokens']['trained']:,} tokens, "
         f"{led['stats']['steps_per_epoch']:,} steps/epoch at global batch {led['global_batch_size']}); cache {led['data_hash']}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in led['versions'].items() if v)}",
-        f"- steady state: {led['dryrun_steps']} steps per preset, first {led['warmup_steps']} excluded (compilation, allocator warm-up)",
-        "", "| preset | micro-batch x accum | GC | packing | s/step | tokens/s | tokens/s/GPU | MFU | peak mem (MiB) | fits 24 GB | save (s) | ckpt (GB) | ETA |",
+        f"- steps: {led['dryrun_steps']} per preset: the run's own first {led['warmup_steps']} (its warm-up: compilation, allocator "
+        f"growth; timed for the ETA, left out of s/step), then real steps of the run drawn evenly across it; s/step is their median",
+        "", "| preset | micro-batch x accum | GC | packing | s/step median | tokens/s | tokens/s/GPU | MFU | peak mem (MiB) | fits 24 GB | save (s) | ckpt (GB) | ETA |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
@@ -195,11 +223,12 @@ def markdown(led: dict) -> str:
             f"| {r['preset']} | {r['micro_batch']} x {r['gradient_accumulation_steps']} | {'on' if r['gradient_checkpointing'] else 'off'} "
             f"| {'on' if r['packing'] else 'off'} | {r['s_per_step']:.3f} (p10-p90 {r['step_spread']['p10']:.3f}-{r['step_spread']['p90']:.3f}) "
             f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {_pct(r['mfu'])} | {mem} "
-            f"| {r.get('fits_24gb_note', '-')} | {r['save_s']:.1f} | {r['checkpoint_bytes'] / 1e9:.2f} | {fmt_h(r['eta']['total_s'])} |")
+            f"| {r.get('fits_24gb_note', '-')} | {r['save_s']:.1f} | {r['checkpoint_bytes'] / 1e9:.2f} | {eta_.fmt_eta(r['eta'])} |")
     for r in led["presets"]:
         if "skipped" in r:
             lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
-    lines += ["", "## Where the step time goes (seconds per optimizer step, steady state)", "",
+    lines += eta_markdown(rows)
+    lines += ["", "## Where the step time goes (seconds per optimizer step, steady state; adds up to the window's mean step)", "",
               "| preset | forward+backward (per micro-batch x n) | all-reduce | sync wait | optimizer | other | data wait | all-reduce bus GB/s |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -240,6 +269,24 @@ def markdown(led: dict) -> str:
     return "\n".join(lines)
 
 
+def eta_markdown(rows: list[dict]) -> list[str]:
+    """The ETA section: the whole `train` command per preset, part by part, in seconds."""
+    if not rows:
+        return []
+    names = [k.removesuffix("_s").replace("_", " ") for k in eta_.PARTS]
+    lines = ["", "## ETA of the whole `train` command (seconds; docs/eta.md)", "",
+             "| preset | " + " | ".join(names) + " | total (range) |", "| --- " * (len(names) + 2) + "|"]
+    for r in rows:
+        p = r["eta"]["parts"]
+        lines.append(f"| {r['preset']} | " + " | ".join(f"{p[k]:.1f}" for k in eta_.PARTS) + f" | {eta_.fmt_eta(r['eta'])} |")
+    e = rows[0]["eta"]
+    lines += ["", f"Measured by this dry-run: {', '.join(e['measured'])}; eval s is 0 (no evaluation configured). "
+              f"Steps: the run's first {e['warmup_steps']} as timed here, the other {e['steady_steps']:,} at the median s/step; "
+              f"{e['checkpoints']} saves (every save_steps and the final one) at the save time measured here. "
+              "The range is the median's 5-95% bootstrap interval over the measured steps."]
+    return lines
+
+
 def finding(rows: list[dict]) -> str | None:
     """The one sentence the user must not miss: which preset wins, and by how much over A."""
     done = [r for r in rows if "tokens_per_s" in r]
@@ -266,7 +313,7 @@ def finding(rows: list[dict]) -> str | None:
         text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"
     if base and base is not best and base not in tied:
         text += f", {best['tokens_per_s'] / base['tokens_per_s']:.2f}x preset A's {base['tokens_per_s']:,.0f}"
-        text += f"; its ETA is {fmt_h(best['eta']['total_s'])} against A's {fmt_h(base['eta']['total_s'])}"
+        text += f"; its ETA is {eta_.fmt_eta(best['eta'])} against A's {eta_.fmt_eta(base['eta'])}"
     low = [r for r in done if r.get("mfu") is not None and r["mfu"] < 0.15]
     if low:
         text += (". MFU under 15% for " + ", ".join(r["preset"] for r in low) +
@@ -342,7 +389,8 @@ def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobC
 
 def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig | ConfigError]], nproc: int, cpu: bool,
                     prep: Any, stats: dict, out_root: Path, log: Path, rows: list[dict], results: dict,
-                    nodes: Nodes = Nodes(), eval_path: Path | None = None) -> None:
+                    nodes: Nodes = Nodes(), eval_path: Path | None = None,
+                    startup: dict | None = None) -> None:
     """Run each preset, appending its ledger row to `rows` and its raw result to `results`.
     nproc: this node's processes; the world size is nodes x nproc."""
     world = nodes.world_size(nproc)
@@ -362,19 +410,19 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
         rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, nodes,
-                                  progress, eval_path)
+                                  progress, eval_path, stats)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes, progress, eval_path)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes, progress, eval_path, stats)
         ended = datetime.now(timezone.utc)
         earlier_s.append((ended - started).total_seconds())
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
             continue
-        row = entry(cfg, result, stats, world)
+        row = entry(cfg, result, stats, world, startup)
         row["run_utc"] = [started.isoformat(), ended.isoformat()]
         peak_gib = max((m["peak_allocated"] or 0) for m in row["memory_mib"]) / 1024
         if cpu:
@@ -390,11 +438,20 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
                 row["fits_24gb_note"] += f"; {retries} allocator retries: the cap slowed it"
         rows.append(row)
         results[name] = result
-        print(f"preset {name}: {row['s_per_step']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s "
-              f"({row['tokens_per_s_per_gpu']:,.0f}/GPU), ETA {fmt_h(row['eta']['total_s'])}", flush=True)
+        sp = row["step_spread"]
+        print(f"preset {name}: {row['s_per_step']:.3f} s/step (median; p10-p90 {sp['p10']:.3f}-{sp['p90']:.3f}), "
+              f"{row['tokens_per_s']:,.0f} tokens/s ({row['tokens_per_s_per_gpu']:,.0f}/GPU), "
+              f"ETA of `train` {eta_.fmt_eta(row['eta'])}: {eta_.fmt_parts(row['eta'])}", flush=True)
+        memory = eta_.memory_line(result["ranks"], None)
+        if memory:
+            print(f"preset {name}: {memory}", flush=True)
+        if row["fits_24gb"] and row["alloc_retries"]:
+            print(f"preset {name}: measured under the {CAP_24GB_GIB:g} GiB cap with {row['alloc_retries']} allocator retries: "
+                  "its s/step may read slower than an uncapped train; --no-fit-check measures it uncapped", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    startup = {"python_start_s": eta_.process_age_s()}
     base = from_cli(args.items)
     nodes = from_args(args)
     locate_model(base.model_name_or_path)  # at once, before torch loads
@@ -407,7 +464,12 @@ def run(args: argparse.Namespace) -> int:
         raise errors[0]
     out_root = base.out_dir
     try:
-        prep = prepare_for_training(base, cpu)
+        prep = prepare_for_training(base, cpu, startup)
+        if not prep.from_cache:
+            # The train after this dry-run finds the cache made now: time that load, not the tokenizing.
+            t0 = time.perf_counter()
+            load_prepared(base)
+            startup["data_s"] = time.perf_counter() - t0
         eval_prep = prepare_eval(base)
     except (PreflightError, DataError) as e:
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
@@ -435,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
     rows, results = [], {}
     try:
         measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes,
-                        eval_prep.path if eval_prep else None)
+                        eval_prep.path if eval_prep else None, startup)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.
         print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)
@@ -488,8 +550,7 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("dryrun", help="measure N real training steps per preset: s/step, tokens/s, memory, save, ETA")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    p.add_argument("--preset", type=str.upper, choices=[*PRESETS, "ALL"], metavar="{A,B,C,D,all}",
-                   help="one preset, or all of them ranked (default: the config's preset)")
+    add_preset_option(p, allow_all=True)
     p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
     p.add_argument("--no-fit-check", action="store_true", help="skip the capped run that proves a 24 GB fit")

@@ -1,15 +1,16 @@
 """The ledger: turn a worker's raw timings into the numbers a user plans with, and write them.
 
 Everything here is arithmetic on measured values; nothing is assumed. Formulas:
-- steady-state s/step = wall time of the steady window / its steps; the window starts after
-  `dryrun_warmup_steps` and includes the gaps between steps (data loading, logging);
-- tokens/s = real (non-pad) tokens of the window, summed over ranks / window wall time;
+- steady-state s/step = the median of the measured steps' durations, each including the gap
+  before it (data loading, logging); the measured steps follow `dryrun_warmup_steps` and are real
+  steps of the run, drawn across it (eta.py says why the median); the p10-p90 spread beside it;
+- tokens/s = real (non-pad) tokens per measured step, summed over ranks / s/step;
 - MFU = tokens/s x k x N / (world size x peak), k = 4 without gradient checkpointing (forward 2N,
   backward 2N: frozen weights get no weight gradient) and 6 with it (one more forward), N = the
   matmul parameters (lm_head included, embedding not), peak = the bf16 matmul rate measured on
   the same GPU in the same run (the convention of ../shared/notes/h200-baseline.md);
 - all-reduce bus bandwidth as nccl-tests: bytes / t x 2 (n - 1) / n;
-- ETA = total steps x s/step + checkpoints x save time (the field report's method);
+- ETA: the whole command, start-up to exit, part by part (eta.py).
 - two presets tie when their tokens/s ranges (tokens per step / p90 .. / p10 step time) overlap;
   the steps that would separate them are those at which the difference of their mean tokens/s
   is 2 standard errors: n = 4 (cv_a^2 + cv_b^2) / d^2, cv = standard deviation / mean of one
@@ -33,20 +34,12 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
-def _spread(xs: list[float]) -> dict:
-    if not xs:
-        return {}
-    s = sorted(xs)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"mean": _mean(xs), "median": statistics.median(xs), "p10": pick(0.1), "p90": pick(0.9),
-            "min": s[0], "max": s[-1], "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0}
-
-
 def summarize_run(result: dict, warmup: int) -> dict:
     """Steady-state numbers of one dry-run result (trainer.fit's return value).
 
-    Returns s_per_step (spread dict), tokens_per_s (aggregate), tokens_per_s_per_gpu,
-    split (mean seconds per part and method), memory per rank (MiB), steps measured and excluded.
+    Returns s_per_step (the median, s) with step_spread and every step's duration, tokens_per_s
+    (aggregate), tokens_per_s_per_gpu, split (mean seconds per part and method), memory per rank
+    (MiB), steps measured and excluded, and the run's steps they replayed.
     Raises ValueError when there are not more steps than warm-up steps.
     """
     r0 = result["ranks"][0]
@@ -54,6 +47,8 @@ def summarize_run(result: dict, warmup: int) -> dict:
     n = len(steps)
     if n <= warmup:
         raise ValueError(f"dry-run made {n} steps, not more than the {warmup} warm-up steps; raise dryrun_steps")
+    from tuneledger.eta import spread, step_durations, step_tokens
+
     steady = steps[warmup:]
     # From the end of the last warm-up step, so the gap before the first steady step counts too.
     window = steps[-1]["t_end"] - (steps[warmup - 1]["t_end"] if warmup else 0.0)
@@ -62,8 +57,11 @@ def summarize_run(result: dict, warmup: int) -> dict:
     for rank in result["ranks"]:
         cum = rank["cum_tokens"]
         tokens += cum[-1] - (cum[warmup - 1] if warmup else 0)
+    durations = step_durations(steps, result.get("saves") or [])
+    per_step = durations[warmup:]
+    # The split below adds up to the window's mean step; s_per_step is the median (the ETA's).
     s_step = window / len(steady)
-    per_step = [s["step_s"] for s in steady]
+    s_median = spread(per_step)["median"]
 
     no_sync = [t for s in steady for t in s["micro_s"][:-1]]
     sync = [s["micro_s"][-1] for s in steady]
@@ -94,11 +92,14 @@ def summarize_run(result: dict, warmup: int) -> dict:
                                                                          "optimizer_s", "data_wait_s")))
     parts["method"] = method
     wall0 = steps[warmup - 1]["wall_end"] if warmup else steps[0]["wall_begin"]
+    positions = result.get("positions")
     return {
         "steps_measured": len(steady), "warmup_steps_excluded": warmup, "window_s": window,
         "window_utc": [_utc(wall0), _utc(steps[-1]["wall_end"])],
-        "s_per_step": s_step, "step_spread": _spread(per_step),
-        "tokens_per_s": tokens / window, "tokens_per_s_per_gpu": tokens / window / world,
+        "s_per_step": s_median, "s_per_step_window_mean": s_step, "step_spread": spread(per_step),
+        "step_durations_s": [round(d, 4) for d in durations], "step_tokens": step_tokens(result["ranks"]), "run_steps_replayed": positions,
+        "alloc_retries_by_step": [s.get("alloc_retries") for s in steps] if steps[0].get("alloc_retries") is not None else None,
+        "tokens_per_s": tokens / len(steady) / s_median, "tokens_per_s_per_gpu": tokens / len(steady) / s_median / world,
         "tokens_per_step": tokens / len(steady),
         "split": parts,
         "memory_mib": [{"rank": r["rank"], "gpu": r["gpu_name"], "peak_allocated": r["peak_allocated_mib"],
@@ -118,16 +119,6 @@ def mfu(tokens_per_s: float, matmul_params: int, gradient_checkpointing: bool, w
         return None
     k = 6 if gradient_checkpointing else 4
     return tokens_per_s * k * matmul_params / world / peak_flops
-
-
-def eta(total_steps: int, s_per_step: float, save_steps: int, save_s: float, evals: int = 0, eval_s: float = 0.0) -> dict:
-    """Full-run estimate: steps x s/step + floor(steps / save_steps) x save time + evaluations x
-    the time of one evaluation (measured on a sample of the eval records, scaled to all), in s and h."""
-    saves = total_steps // save_steps if save_steps else 0
-    total = total_steps * s_per_step + saves * save_s + evals * eval_s
-    return {"total_steps": total_steps, "checkpoints": saves, "train_s": total_steps * s_per_step,
-            "save_s": saves * save_s, "evaluations": evals, "eval_s": evals * eval_s, "total_s": total,
-            "total_h": total / 3600}
 
 
 def total_steps(stats: dict, cfg: Any) -> int:

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tuneledger.config import JobConfig, from_cli
+from tuneledger.config import JobConfig, add_preset_option, from_cli
 from tuneledger.model import PreflightError, check_remote_code, check_text_causal_lm, is_synthetic, read_model_config
 
 
@@ -156,5 +156,6 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("preflight", help="check logging, bitsandbytes, disk and the model variant before loading weights")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    add_preset_option(p)
     p.add_argument("--cpu", action="store_true", help="check as for a CPU run")
     p.set_defaults(func=run)

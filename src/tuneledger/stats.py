@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tuneledger.config import JobConfig, from_cli
+from tuneledger.config import JobConfig, add_preset_option, from_cli
 from tuneledger.data import DataError, Prepared, prepare
 from tuneledger.model import (PreflightError, check_embedding_rows, check_remote_code, check_text_causal_lm, load_tokenizer,
                               read_model_config)
@@ -51,16 +51,21 @@ def load_prepared(cfg: JobConfig, progress: bool = True) -> Prepared:
     return prepare(cfg, tokenizer, progress=progress)
 
 
-def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
+def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None) -> Prepared:
     """What dry-run and train do before any rank starts: the preflight checks (printed), the
     tokenized data (from the cache, or made now, in this process), and the data gate.
+    `timings`, if given, gets preflight_s and data_s (seconds, for the ETA).
 
     Raises PreflightError, DataError, or DataError with the gate's reason.
     """
+    import time
+
     from tuneledger.preflight import run_checks
 
+    t0 = time.perf_counter()
     for line in run_checks(cfg, cuda=not cpu):
         print(f"preflight ok: {line}")
+    t1 = time.perf_counter()
     prep = load_prepared(cfg)
     # What was left out is reported here exactly as `stats` reports it, and written beside the run.
     rec = prep.report["records"]
@@ -68,6 +73,8 @@ def prepare_for_training(cfg: JobConfig, cpu: bool) -> Prepared:
           + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
     print_invalid(prep, cfg)
     write(prep, cfg)
+    if timings is not None:
+        timings.update(preflight_s=t1 - t0, data_s=time.perf_counter() - t1)
     problem = gate(prep, cfg)
     if problem:
         raise DataError(problem)
@@ -188,4 +195,5 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("stats", help="count tokens, validate records, estimate steps; fills the tokenized cache")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    add_preset_option(p)
     p.set_defaults(func=run)

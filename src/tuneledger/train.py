@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
+from tuneledger import eta as eta_
 from tuneledger.checkpoints import MANIFEST, REQUIRED, problem, scan, set_aside
-from tuneledger.config import JobConfig, describe, from_cli, resolve
+from tuneledger.config import JobConfig, add_preset_option, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config
@@ -30,6 +32,7 @@ from tuneledger.stats import prepare_eval, prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
+    startup = {"python_start_s": eta_.process_age_s()}
     base = from_cli(args.items)
     nodes = from_args(args)
     locate_model(base.model_name_or_path)  # at once, before torch loads
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             if lock.stale:
                 print(f"note: {out / 'run.lock'} was left by pid {lock.stale.get('pid')} on {lock.stale.get('host')} "
                       "(it is not running any more); taking it over")
-            return _run_locked(cfg, cpu, nproc, nodes)
+            return _run_locked(cfg, cpu, nproc, nodes, startup)
     except RunLocked as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
@@ -82,11 +85,11 @@ def pick_checkpoint(cfg: JobConfig) -> tuple[str | None, str | None]:
     return (str(good) if good else None), None
 
 
-def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
+def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict) -> int:
     world = nodes.world_size(nproc)
     out = cfg.out_dir
     try:
-        prep = prepare_for_training(cfg, cpu)
+        prep = prepare_for_training(cfg, cpu, startup)
         eval_prep = prepare_eval(cfg)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
@@ -149,7 +152,9 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
         sampler = InProcessSampler(interval=5.0, out_dir=out / "monitor").start()
     started = datetime.now(timezone.utc)
     log = out / f"train{nodes.suffix()}.log"
+    t_launch = time.time()
     rc = run_workers(job, out / f"job{nodes.suffix()}.json", nproc, log, nodes, rdzv_id=cfg.run_name)
+    t_exit = time.time()
     rows = sampler.stop() if sampler else []
     # torchrun exits non-zero when it was signalled itself (Slurm without B: signals every process),
     # even though the ranks stopped cleanly and saved: their result says so.
@@ -179,6 +184,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
               f"checkpoint is {result['checkpoint']}. Lower learning_rate (now {cfg.learning_rate:g}) or check the "
               "data, then start over with another run_name.", file=sys.stderr)
         return 3
+    total_mib = None
     if rows:
         from tuneledger.dryrun import used_gpus
         from tuneledger.monitor.summary import summarize_window
@@ -186,10 +192,13 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
         gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
         result["gpu_window"] = gpu
         result_path.write_text(json.dumps(result, indent=1))
-        util, mem = gpu["util_mean_pct"], gpu["mem_peak_frac"]
-        print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean, memory peak "
-              f"{'-' if mem is None else f'{mem:.0%}'} of the GPU{', IMBALANCED' if gpu['imbalance'] else ''}; "
-              f"samples in {out / 'monitor'}")
+        util = gpu["util_mean_pct"]
+        total_mib = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu["gpus"] else None
+        print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean"
+              f"{', IMBALANCED' if gpu['imbalance'] else ''}; samples in {out / 'monitor'}")
+    memory = eta_.memory_line(result["ranks"], total_mib)
+    if memory:
+        print(memory)
     if cfg.report_to == "tensorboard" and result.get("report_to") != "tensorboard":
         print("WARNING: report_to=tensorboard, but this run wrote no TensorBoard event file; train.json says "
               "report_to: none", file=sys.stderr)
@@ -206,6 +215,8 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any) -> int:
               + (f", eval loss {result['best_eval_loss']:.4f}" if result["best_checkpoint"] else ""))
     if cfg.plot_loss and (out / "training_loss.png").is_file():
         print(f"loss plot: {out / 'training_loss.png'}")
+    check_eta(result, cfg, startup, prep.report, nodes.world_size(nproc), cpu, t_launch, t_exit)
+    result_path.write_text(json.dumps(result, indent=1))
     return 0
 
 
@@ -219,9 +230,29 @@ def loss_text(result: dict) -> str:
             f"at step {result.get('last_logged_step', steps)}")
 
 
+def check_eta(result: dict, cfg: Any, startup: dict, stats: dict, nproc: int, cpu: bool, t_launch: float, t_exit: float) -> None:
+    """Put this command's parts (`timing`) in the result, and beside them what the dry-run of the
+    same settings (runs/<run_name>/dryrun.json) predicted (`eta_check`); print the error once."""
+    row, source = eta_.find_prediction(cfg.out_dir / "dryrun.json", cfg.model_dump(), nproc, stats["cache_key"], cpu)
+    # The warm-up / other steps split as the dry-run made it, so the parts compare one to one.
+    warmup = row["eta"]["warmup_steps"] if row else cfg.dryrun_warmup_steps
+    act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup)
+    result["timing"] = act
+    if result.get("resumed_from"):
+        result["eta_check"] = {"skipped": "resumed: the dry-run predicted the whole run, this command ran part of it"}
+        return
+    if row is None:
+        result["eta_check"] = {"skipped": source}
+        print(f"ETA check: none ({source}); `tuneledger dryrun` with the same settings first predicts this command")
+        return
+    result["eta_check"] = eta_.check(row["eta"], act, source)
+    print(eta_.check_line(result["eta_check"]))
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("train", help="the full DDP LoRA/QLoRA run; resumes from the last checkpoint")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    add_preset_option(p)
     p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU through gloo even if GPUs are visible")
     add_node_arguments(p)

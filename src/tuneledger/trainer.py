@@ -6,8 +6,11 @@ JOB.json is written by `tuneledger train` / `tuneledger dryrun` (launch.py) and 
 resolved config, the path of the tokenized dataset (prepared before torchrun, so no rank ever
 tokenizes) and the mode. Each rank trains with transformers' Trainer; rank 0 writes the result.
 
-Timing (mode "dryrun"): StepTimer records CUDA events (no host sync) at each micro-batch
-boundary, before and after the optimizer and at step end, and reads them once after training.
+Timing (both modes, the same way): StepTimer records CUDA events (no host sync) at each
+micro-batch boundary, before and after the optimizer and at step end, and reads them once after
+training; wall-clock marks of the worker's phases (`timeline`) let the launcher split the command
+into the ETA's parts (eta.py). In mode "dryrun" the steps are real steps of the full run, replayed
+from their positions in its data order (`replay_order`).
 """
 
 from __future__ import annotations
@@ -68,12 +71,14 @@ class StepTimer(TrainerCallback):
     rank); the others run under `no_sync`. `summary()` synchronises once and returns lists in s.
     """
 
-    def __init__(self, clock: Clock):
+    def __init__(self, clock: Clock, device: torch.device | None = None):
         self.clock = clock
+        self.device = device
         self.steps: list[dict] = []
         self._cur: dict | None = None
         self._host_end: float | None = None
         self.save_s: list[float] = []
+        self.saves: list[dict] = []  # {"after_step": steps done, "s": seconds, "wall_end": UTC s}
 
     def on_step_begin(self, args, state, control, **kw):
         now = time.perf_counter()
@@ -94,12 +99,19 @@ class StepTimer(TrainerCallback):
         if self._cur:
             self._cur["marks"].append(self.clock.mark())
             self._cur["wall_end"] = time.time()  # UTC seconds, to join the GPU monitor's samples
+            if self.device is not None and self.device.type == "cuda":
+                # Cumulative: a step where it grows is one where the allocator freed its cache and
+                # retried (a stall of seconds, from fragmentation). A host-side counter, no sync.
+                self._cur["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
             self.steps.append(self._cur)
             self._cur = None
         self._host_end = time.perf_counter()
 
     def on_save(self, args, state, control, **kw):
-        self.save_s.append(time.perf_counter() - self._host_end)
+        now = time.perf_counter()
+        self.save_s.append(now - self._host_end)
+        self.saves.append({"after_step": len(self.steps), "s": now - self._host_end, "wall_end": time.time()})
+        self._host_end = now  # the next step's data wait starts after the save, not before it
 
     def summary(self) -> list[dict]:
         """Per step: step_s, micro_s (list), optimizer_s, data_wait_s (host), and t_begin/t_end,
@@ -115,7 +127,7 @@ class StepTimer(TrainerCallback):
             out.append({"step_s": self.clock.seconds(m[0], m[-1]), "micro_s": micro,
                         "optimizer_s": self.clock.seconds(m[n], m[-1]), "data_wait_s": s["data_wait_s"],
                         "t_begin": self.clock.seconds(origin, m[0]), "t_end": self.clock.seconds(origin, m[-1]),
-                        "wall_begin": s["wall_begin"], "wall_end": s["wall_end"]})
+                        "wall_begin": s["wall_begin"], "wall_end": s["wall_end"], "alloc_retries": s.get("alloc_retries")})
         return out
 
 
@@ -130,10 +142,18 @@ class LedgerTrainer(Trainer):
     def __init__(self, *a, n_params: int = 0, **kw):
         super().__init__(*a, **kw)
         self.n_params = n_params
+        self.replay = False  # dry-run: train_dataset is already in the real run's order (replay_order)
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
         self.step_tokens: list[torch.Tensor] = []  # running count at each step end (no sync)
         self._log_tokens, self._log_time, self._log_step = 0, time.perf_counter(), 0
         self.add_callback(TokenSnapshot(self))
+
+    def _get_train_sampler(self, train_dataset=None):
+        if self.replay:
+            from torch.utils.data import SequentialSampler
+
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+        return super()._get_train_sampler(train_dataset)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
@@ -604,6 +624,39 @@ def bench_allreduce(nbytes: int, device: torch.device, iters: int = 20) -> dict:
             "busbw_gbs": x.numel() * 4 / t / 1e9 * 2 * (n - 1) / n}
 
 
+# ------------------------------------------------------------------------------ dry-run's steps
+def replay_order(trainer: LedgerTrainer, ds: Any, total_steps: int, steps_per_epoch: int, warmup: int, measured: int) -> list[int]:
+    """Make `trainer` run the real run's own steps: its first `warmup`, then `measured` from evenly
+    spaced positions of the rest (eta.step_positions). Returns the positions (0-based steps).
+
+    The real order is read from the Trainer's own training dataloader (accelerate's seedable
+    sampler, set to each epoch as the Trainer's loop sets it), before it is dealt to ranks. Step k
+    of an epoch is that order's slice [k G, (k+1) G) at global batch G: ranks take micro-batches in
+    turn from it. Those slices, one after another and read in order, give every rank the same
+    micro-batches, collated the same way, as the real run has at those steps.
+    """
+    from tuneledger.eta import step_positions
+
+    args = trainer.args
+    g = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+    positions = step_positions(total_steps, steps_per_epoch, len(ds) // g, warmup, measured)
+    loader = trainer.get_train_dataloader()
+    batches = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)  # under BatchSamplerShard
+    sampler = batches.sampler
+    orders: dict[int, list[int]] = {}
+    picked: list[int] = []
+    for pos in positions:
+        epoch, k = divmod(pos, steps_per_epoch)
+        if epoch not in orders:
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            orders[epoch] = list(sampler)
+        picked += orders[epoch][k * g:(k + 1) * g]
+    trainer.train_dataset = ds.select(picked)
+    trainer.replay = True
+    return positions
+
+
 # ------------------------------------------------------------------------------- setup/main/fit
 def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
     cfg = JobConfig(**job["config"])
@@ -619,6 +672,7 @@ def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
 
 
 def main(job_path: str) -> int:
+    started = time.time()  # the launcher's ETA part "launch" ends here
     job = json.loads(Path(job_path).read_text())
     cfg, device, rank, _ = setup(job)
     set_parent_death_signal()
@@ -629,8 +683,13 @@ def main(job_path: str) -> int:
     stopper = StopOnSignal(cfg.stop_grace_period_s) if job["mode"] == "train" else None
     report_to = resolve_report_to(cfg, rank)  # before the model loads, so it cannot fail after
     result = fit(cfg, job, device, rank, report_to, stopper)
+    result["timeline"]["main"] = started
     if rank == 0:
         Path(job["result_path"]).write_text(json.dumps(result, indent=1))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()  # else torch warns at exit, on every rank
     return 0
 
 
@@ -656,12 +715,13 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     model, info = load_model(cfg, device)
     align_special_tokens(model, tokenizer)  # so the Trainer has nothing to align and warn about per rank
     info["load_s"] = round(time.perf_counter() - t0, 2)
+    timeline = {"model_loaded": time.time()}
 
     seal = SealCheckpoint(cfg, job.get("data_files"), cfg.save_total_limit)
     seal.bytes = job.get("checkpoint_bytes_estimate")
     guard = NonFiniteGuard()
     clock = Clock(cuda)
-    timer = StepTimer(clock)
+    timer = StepTimer(clock, device)
     args = training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True), evaluate=eval_ds is not None)
     trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
@@ -677,6 +737,12 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     trainer.add_callback(eval_counter)
     if mode == "train" and cfg.plot_loss:
         trainer.add_callback(PlotLoss(out_dir / "training_loss.png", f"{cfg.run_name}: {cfg.model_name_or_path}"))
+    positions = None
+    if mode == "dryrun" and job.get("total_steps"):
+        t_order = time.perf_counter()
+        positions = replay_order(trainer, ds, job["total_steps"], job["steps_per_epoch"], cfg.dryrun_warmup_steps,
+                                 cfg.dryrun_steps - cfg.dryrun_warmup_steps)
+        timeline["order_s"] = time.perf_counter() - t_order  # dry-run only: not part of the ETA's set-up
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
@@ -700,7 +766,11 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
               file=sys.stderr, flush=True)
         os._exit(75)
     wall = time.perf_counter() - wall0
+    timeline["train_returned"] = time.time()
+    t_eval = time.perf_counter()
     eval_timing = time_eval(trainer, eval_ds, cfg) if mode == "dryrun" and eval_ds is not None else None
+    # dry-run only (its ETA adds the run's evaluations as their own part): not part of the finish
+    timeline["eval_timing_s"] = time.perf_counter() - t_eval
 
     steps = timer.summary()
     tokens = [int(t) for t in torch.stack(trainer.step_tokens).tolist()] if trainer.step_tokens else []
@@ -722,10 +792,13 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     else:
         per_rank = [local]
     grad_bytes = info["trainable_params"] * 4  # LoRA weights and their grads are fp32
+    t_bench = time.perf_counter()
     allreduce = bench_allreduce(grad_bytes, device) if mode == "dryrun" else {}
     peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 else None
     ckpt = last_checkpoint(out_dir)
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
+    if mode == "dryrun":
+        timeline["benches_s"] = time.perf_counter() - t_bench  # dry-run only: not part of the ETA's finish
     # The whole run's loss from the logged losses (the history is restored on resume): see ledger.run_loss.
     loss = run_loss(trainer.state.log_history, int(Path(resume).name.split("-")[-1]) if resume else 0)
     # The ledger names TensorBoard only if this run wrote event files (not if it merely asked).
@@ -744,6 +817,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "stopped": guard.tripped or (stopper and stopper.stopped) or None,
         "eval_records": len(eval_ds) if eval_ds is not None else 0, "eval": evals, "eval_timing": eval_timing,
         "best_checkpoint": best[0] if best else None, "best_eval_loss": best[1] if best else None,
+        "saves": timer.saves, "timeline": timeline, "positions": positions,
     }
 
 

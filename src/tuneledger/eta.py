@@ -1,0 +1,282 @@
+"""The ETA of a `tuneledger train` command, part by part, from what the dry-run measured; and after
+the train, what the dry-run predicted beside what happened.
+
+Parts, in seconds, in the order the command spends them (PARTS):
+
+    python_start_s  interpreter start and imports, until the verb's first line runs
+    preflight_s     the preflight checks (logging backend, bitsandbytes, disk, model config)
+    data_s          tokenization, or the cache load (train finds the cache its dry-run made)
+    launch_s        torchrun until rank 0's worker runs (process spawn, imports, process group)
+    model_load_s    dataset and tokenizer open, model load, 4-bit quantization, LoRA
+    setup_s         Trainer set-up until the first step begins (optimizer, DDP, first batches)
+    warmup_steps_s  the run's first `dryrun_warmup_steps` steps: the same batches, timed in the dry-run
+    steps_s         every other step: their count x the median s/step of the measured steps
+    saves_s         checkpoints (every save_steps, and the final one) x the measured save time
+    eval_s          evaluation; 0 while no evaluation is configured (the hook for it)
+    finish_s        after the final save until the command returns (result gather, teardown)
+
+The measured steps are real steps of the run, drawn from evenly spaced positions of its own data
+order (see `step_positions`), so their median is the typical step of the whole run; one-off stalls
+(allocator growth, a stray pause) move a mean over a few dozen steps but not the median. The range
+is the 5th-95th percentile of that median over 2,000 bootstrap resamples of the measured steps.
+docs/eta.md argues the choice with measurements.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tuneledger.ledger import fmt_h
+
+PARTS = ("python_start_s", "preflight_s", "data_s", "launch_s", "model_load_s", "setup_s",
+         "warmup_steps_s", "steps_s", "saves_s", "eval_s", "finish_s")
+STARTUP = PARTS[:6]
+# Settings that change what the dry-run measures but not the run it predicts.
+NOT_COMPARED = ("dryrun_steps", "dryrun_warmup_steps", "memory_cap_gib", "resume_from_checkpoint")
+BOOTSTRAP_DRAWS = 2000
+
+
+def process_age_s() -> float:
+    """Seconds since this process started: the interpreter's start and the imports before the
+    verb's first line (psutil, which accelerate already depends on, reads the start time)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
+def n_saves(total_steps: int, save_steps: int) -> int:
+    """Checkpoints a run of `total_steps` writes: every save_steps, plus the final one that
+    transformers' Trainer writes at the last step when it is not on a multiple."""
+    if total_steps <= 0 or save_steps <= 0:
+        return 0
+    return total_steps // save_steps + (1 if total_steps % save_steps else 0)
+
+
+def step_positions(total_steps: int, steps_per_epoch: int, full_steps_per_epoch: int, warmup: int, measured: int) -> list[int]:
+    """Which steps of the real run (0-based, epochs one after another) the dry-run replays.
+
+    The first `warmup` are the run's own first steps (its warm-up: the same batches, so the same
+    compilation and allocator growth). The `measured` others are the centres of equal slices of
+    the rest of the run, full global batches only (an epoch's short last batch is not typical).
+    A run shorter than that repeats its steps in order. Raises ValueError without a full step.
+    """
+    if full_steps_per_epoch <= 0:
+        raise ValueError("the dataset holds less than one global batch: no full step to replay")
+    eligible = [s for s in range(max(total_steps, 1)) if s % steps_per_epoch < full_steps_per_epoch] \
+        or list(range(full_steps_per_epoch))
+    warm = [eligible[i % len(eligible)] for i in range(warmup)]
+    rest = eligible[warmup:] or eligible
+    if measured <= len(rest):
+        return warm + [rest[int((i + 0.5) * len(rest) / measured)] for i in range(measured)]
+    return warm + [rest[i % len(rest)] for i in range(measured)]
+
+
+def step_durations(steps: list[dict], saves: list[dict]) -> list[float]:
+    """Seconds per optimizer step, gaps between steps included (data fetch, logging), saves left
+    out. `steps` are StepTimer.summary() rows (t_begin/t_end on the device's timeline), `saves`
+    its save rows ({"after_step": n, "s": seconds}): a save after step n sits in step n+1's gap."""
+    saved = {s["after_step"]: s["s"] for s in saves}
+    out = []
+    for i, s in enumerate(steps):
+        start = steps[i - 1]["t_end"] if i else s["t_begin"]
+        out.append(max(0.0, s["t_end"] - start - saved.get(i, 0.0)))
+    return out
+
+
+def step_tokens(ranks: list[dict]) -> list[int]:
+    """Real (non-pad) tokens of each step, summed over ranks, from each rank's running count."""
+    per_rank = [[b - a for a, b in zip([0] + r["cum_tokens"][:-1], r["cum_tokens"])] for r in ranks]
+    return [sum(t) for t in zip(*per_rank)]
+
+
+def spread(xs: list[float]) -> dict:
+    """median, p10, p90 (nearest rank), mean, trimmed mean (the middle 80%), min, max, sd."""
+    if not xs:
+        return {}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    k = int(0.1 * len(s))
+    return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9), "mean": statistics.fmean(s),
+            "trimmed_mean": statistics.fmean(s[k:len(s) - k]), "min": s[0], "max": s[-1], "n": len(s),
+            "sd": statistics.stdev(s) if len(s) > 1 else 0.0}
+
+
+def median_range(xs: list[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float]:
+    """5th and 95th percentile of the median over `draws` bootstrap resamples (seeded: the same
+    steps give the same range)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    return meds[int(0.05 * draws)], meds[int(0.95 * draws) - 1]
+
+
+def predict(startup: dict[str, float], warmup: list[float], steady: list[float], total_steps: int, save_steps: int,
+            save_s: float, finish_s: float, eval_s: float = 0.0, measured: list[str] | None = None) -> dict:
+    """The whole command's ETA from measured parts (seconds; see the module doc for the parts).
+
+    startup: STARTUP parts; warmup: the run's first steps' durations; steady: the measured steps'
+    durations; eval_s: all of the run's evaluations (their count x the time of one). Returns parts, total_s with low_s-high_s (the median's bootstrap range), the step
+    statistics, and what the mean and trimmed mean would have predicted (kept, so every train
+    checks the estimators too). Raises ValueError without a steady step.
+    """
+    if not steady:
+        raise ValueError("no measured step to extrapolate from")
+    w = min(len(warmup), total_steps)
+    rest = total_steps - w
+    stats = spread(steady)
+    lo, hi = median_range(steady)
+    saves = n_saves(total_steps, save_steps)
+    parts = {k: float(startup.get(k) or 0.0) for k in STARTUP}
+    parts.update({"warmup_steps_s": sum(warmup[:w]), "steps_s": rest * stats["median"], "saves_s": saves * save_s,
+                  "eval_s": eval_s, "finish_s": finish_s})
+    total = sum(parts.values())
+    return {
+        "total_steps": total_steps, "warmup_steps": w, "steady_steps": rest, "checkpoints": saves, "save_s": save_s,
+        "estimator": "median", "s_per_step": stats["median"], "s_per_step_range": [lo, hi], "step_spread": stats,
+        "parts": parts, "measured": measured if measured is not None else [k for k in PARTS if k != "eval_s"],
+        "total_s": total, "low_s": total + rest * (lo - stats["median"]), "high_s": total + rest * (hi - stats["median"]),
+        "total_h": total / 3600,
+        "other_estimators": {name: total + rest * (stats[name] - stats["median"]) for name in ("mean", "trimmed_mean")},
+    }
+
+
+def fmt_eta(eta: dict) -> str:
+    """'3 min 50 s (3 min 35 s - 4 min 10 s)'."""
+    return f"{fmt_h(eta['total_s'])} ({fmt_h(eta['low_s'])} - {fmt_h(eta['high_s'])})"
+
+
+def fmt_parts(eta: dict) -> str:
+    """One line: start-up, steps, saves, eval, finish, with the start-up's own parts."""
+    p = eta["parts"]
+    start = sum(p[k] for k in STARTUP)
+    inner = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {p[k]:.1f}" for k in STARTUP)
+    text = (f"start-up {fmt_h(start)} ({inner} s) + {eta['warmup_steps']} warm-up steps {p['warmup_steps_s']:.1f} s "
+            f"+ {eta['steady_steps']} steps x {eta['s_per_step']:.3f} s = {fmt_h(p['steps_s'])} "
+            f"+ {eta['checkpoints']} saves x {eta['save_s']:.1f} s")
+    if p["eval_s"]:
+        text += f" + eval {fmt_h(p['eval_s'])}"
+    return text + f" + finish {p['finish_s']:.1f} s"
+
+
+# ------------------------------------------------------------------------------ run timelines
+def worker_parts(result: dict, t_launch: float, t_exit: float) -> dict:
+    """launch, model load, set-up, warm-up/other steps, saves and finish of one torchrun, from the
+    worker's timeline (rank 0, wall-clock seconds) and the launcher's own start/exit times.
+
+    Work only a dry-run does (replaying the run's order, benchmarks) is taken out, so the parts
+    are what a train spends. Step durations come from step_durations(); `loop_wall_s` is the host's
+    wall time from the first step's begin to the last step's end, saves taken out.
+    """
+    tl = result["timeline"]
+    steps, saves = result["ranks"][0]["steps"], result["saves"]
+    last_end = max([steps[-1]["wall_end"]] + [s["wall_end"] for s in saves]) if steps else tl["train_returned"]
+    first = steps[0]["wall_begin"] if steps else tl["train_returned"]
+    saves_in_loop = sum(s["s"] for s in saves if s["after_step"] < len(steps))
+    return {
+        "launch_s": tl["main"] - t_launch,
+        "model_load_s": tl["model_loaded"] - tl["main"],
+        "setup_s": first - tl["model_loaded"] - tl.get("order_s", 0.0),
+        "durations": step_durations(steps, saves),
+        "loop_wall_s": (steps[-1]["wall_end"] - first - saves_in_loop) if steps else 0.0,
+        "saves_s": sum(s["s"] for s in saves),
+        "save_s": [s["s"] for s in saves],
+        "finish_s": t_exit - last_end - tl.get("benches_s", 0.0) - tl.get("eval_timing_s", 0.0),
+    }
+
+
+def actual(startup: dict[str, float], result: dict, t_launch: float, t_exit: float, t_end: float, warmup: int) -> dict:
+    """What a train command spent, in PARTS (seconds), and its total (process start to t_end)."""
+    w = worker_parts(result, t_launch, t_exit)
+    warm = sum(w["durations"][:warmup])
+    parts = {k: float(startup.get(k) or 0.0) for k in STARTUP}
+    parts.update({"launch_s": w["launch_s"], "model_load_s": w["model_load_s"], "setup_s": w["setup_s"],
+                  "warmup_steps_s": warm, "steps_s": max(0.0, w["loop_wall_s"] - warm), "saves_s": w["saves_s"],
+                  "eval_s": 0.0, "finish_s": w["finish_s"] + (t_end - t_exit)})
+    steps = len(w["durations"])
+    return {"parts": parts, "total_s": sum(parts.values()), "steps": steps, "checkpoints": len(w["save_s"]),
+            "warmup_steps": min(warmup, steps), "step_spread": spread(w["durations"][warmup:]),
+            "durations": [round(d, 4) for d in w["durations"]]}
+
+
+# ------------------------------------------------------------------------ predicted vs actual
+def differences(a: dict, b: dict) -> list[str]:
+    """Config keys (NOT_COMPARED aside) whose values differ between two config dicts."""
+    keys = (set(a) | set(b)) - set(NOT_COMPARED)
+    return sorted(k for k in keys if a.get(k) != b.get(k))
+
+
+def find_prediction(dryrun_json: Path, config: dict, world_size: int, data_hash: str, cpu: bool) -> tuple[dict | None, str]:
+    """The dry-run row of `dryrun_json` measured with these settings, or None and why not."""
+    import json
+
+    if not dryrun_json.is_file():
+        return None, f"no dry-run ledger at {dryrun_json}"
+    led = json.loads(dryrun_json.read_text())
+    if led.get("world_size") != world_size or (led.get("backend") == "gloo") != cpu:
+        return None, (f"{dryrun_json} measured {led.get('world_size')} x {led.get('backend')} processes; this run has "
+                      f"{world_size} x {'gloo' if cpu else 'nccl'}")
+    if led.get("data_hash") != data_hash:
+        return None, f"{dryrun_json} measured other data (cache {led.get('data_hash')}, this run {data_hash})"
+    rows = [r for r in led.get("presets", []) if "eta" in r and "parts" in r["eta"]]
+    if not rows:
+        return None, f"{dryrun_json} has no measured preset with an ETA of its parts (an older ledger?)"
+    diffs = {r["preset"]: differences(r["config"], config) for r in rows}
+    match = next((r for r in rows if not diffs[r["preset"]]), None)
+    if match is None:
+        near = min(diffs.items(), key=lambda kv: len(kv[1]))
+        return None, f"no preset in {dryrun_json} has these settings (preset {near[0]} differs in: {', '.join(near[1])})"
+    return match, f"{dryrun_json} (preset {match['preset']}, {led.get('date')})"
+
+
+def _err(pred: float, act: float) -> float | None:
+    return round((pred - act) / act * 100, 1) if act > 0 else None
+
+
+def check(pred: dict, act: dict, source: str) -> dict:
+    """Predicted beside actual, per part and in total; error_pct = (predicted - actual) / actual:
+    positive means the dry-run said longer than it took."""
+    parts = {k: {"predicted_s": round(pred["parts"].get(k, 0.0), 2), "actual_s": round(act["parts"][k], 2),
+                 "error_pct": _err(pred["parts"].get(k, 0.0), act["parts"][k])} for k in PARTS}
+    steady = act["step_spread"].get("median")
+    return {
+        "dryrun": source, "parts": parts,
+        "total": {"predicted_s": round(pred["total_s"], 1), "low_s": round(pred["low_s"], 1), "high_s": round(pred["high_s"], 1),
+                  "actual_s": round(act["total_s"], 1), "error_pct": _err(pred["total_s"], act["total_s"]),
+                  "inside_range": pred["low_s"] <= act["total_s"] <= pred["high_s"]},
+        "steady_s_per_step": {"dryrun_median": pred["s_per_step"], "train_median": steady,
+                              "error_pct": _err(pred["s_per_step"], steady) if steady else None},
+        "other_estimators_error_pct": {k: _err(v, act["total_s"]) for k, v in pred.get("other_estimators", {}).items()},
+        "steps": {"predicted": pred["total_steps"], "actual": act["steps"]},
+    }
+
+
+def check_line(c: dict) -> str:
+    t = c["total"]
+    where = "inside" if t["inside_range"] else "outside"
+    return (f"ETA check: the dry-run predicted {fmt_h(t['predicted_s'])} ({fmt_h(t['low_s'])} - {fmt_h(t['high_s'])}); "
+            f"this command took {fmt_h(t['actual_s'])}: {t['error_pct']:+.1f}% ({where} the range). "
+            f"Steady s/step: dry-run {c['steady_s_per_step']['dryrun_median']:.3f}, train "
+            f"{c['steady_s_per_step']['train_median'] or float('nan'):.3f}. Per part: train.json eta_check")
+
+
+def memory_line(ranks: list[dict], total_mib: float | None) -> str | None:
+    """Allocated and reserved peaks (MiB, the largest rank), and what to do when the caching
+    allocator holds much more than the tensors need (fragmentation). None on a CPU run."""
+    alloc = max((r.get("peak_allocated_mib") or 0) for r in ranks)
+    reserved = max((r.get("peak_reserved_mib") or 0) for r in ranks)
+    if not alloc:
+        return None
+    of = f" of {total_mib / 1024:.0f} GiB" if total_mib else ""
+    text = f"memory peak: {alloc / 1024:.1f} GiB allocated, {reserved / 1024:.1f} GiB reserved by the allocator{of}"
+    retries = max((r.get("alloc_retries") or 0) for r in ranks)
+    if reserved > 1.25 * alloc:
+        text += (f". The allocator keeps {(reserved - alloc) / 1024:.1f} GiB of freed blocks (fragmentation from batches "
+                 "of varying shape); the run needs the allocated figure")
+        if retries or (total_mib and reserved > 0.9 * total_mib):
+            text += (f"{f', and it had to free and retry {retries} times' if retries else ''}. Set "
+                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to let it grow segments instead of caching "
+                     "fragments")
+    return text
