@@ -43,12 +43,18 @@ def load_prepared(cfg: JobConfig, progress: bool = True) -> Prepared:
     """The model checks that need only config.json and the tokenizer (the same for stats, dryrun
     and train: a VL variant, a tokenizer past the embedding rows), then the prepared data.
     Raises PreflightError or DataError."""
+    return prepare(cfg, checked_tokenizer(cfg), progress=progress)
+
+
+def checked_tokenizer(cfg: JobConfig) -> Any:
+    """The model's tokenizer, after the checks that need only config.json and the tokenizer: a VL
+    variant, code shipped with the model, ids past the embedding rows. Raises PreflightError."""
     config = read_model_config(cfg.model_name_or_path)
     check_text_causal_lm(config, cfg.model_name_or_path)
     check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code)
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     check_embedding_rows(tokenizer, config, cfg.model_name_or_path)
-    return prepare(cfg, tokenizer, progress=progress)
+    return tokenizer
 
 
 def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None) -> Prepared:
@@ -177,7 +183,7 @@ def write(prep: Prepared, cfg: JobConfig) -> Path:
 def run(args: argparse.Namespace) -> int:
     cfg = from_cli(args.items)
     try:
-        tokenizer = load_tokenizer(cfg.model_name_or_path)
+        tokenizer = checked_tokenizer(cfg)  # the same model checks as dryrun and train
         prep = prepare(cfg, tokenizer)
     except (DataError, PreflightError) as e:
         print(f"tuneledger stats: {e}", file=sys.stderr)
