@@ -9,7 +9,12 @@ Parts, in seconds, in the order the command spends them (PARTS):
     launch_s        torchrun until rank 0's worker runs (process spawn, imports, process group)
     model_load_s    dataset and tokenizer open, model load, 4-bit quantization, LoRA
     setup_s         Trainer set-up until the first step begins (optimizer, DDP, first batches)
-    warmup_steps_s  the run's first `dryrun_warmup_steps` steps: the same batches, timed in the dry-run
+    warmup_steps_s  the run's first `dryrun_warmup_steps` steps: their count x the median s/step. Not
+                    their own dry-run times: a dry-run on a fresh machine pays one-off first-use
+                    costs there (CUDA's kernel cache, first shapes) that the train after it does
+                    not. On an H200 its first five steps took 16.0 s against 7.6 s in the train;
+                    the median predicted 6.9 s (bench/results/h200-2026-11-30-eta). The measured
+                    times stay in the ledger as `warmup_measured_s`.
     steps_s         every other step: their count x the median s/step of the measured steps
     saves_s         checkpoints (every save_steps, and the final one) x the measured save time
     eval_s          evaluation; 0 while no evaluation is configured (the hook for it)
@@ -130,16 +135,18 @@ def predict(startup: dict[str, float], warmup: list[float], steady: list[float],
     lo, hi = median_range(steady)
     saves = n_saves(total_steps, save_steps)
     parts = {k: float(startup.get(k) or 0.0) for k in STARTUP}
-    parts.update({"warmup_steps_s": sum(warmup[:w]), "steps_s": rest * stats["median"], "saves_s": saves * save_s,
+    parts.update({"warmup_steps_s": w * stats["median"], "steps_s": rest * stats["median"], "saves_s": saves * save_s,
                   "eval_s": eval_s, "finish_s": finish_s})
     total = sum(parts.values())
     return {
-        "total_steps": total_steps, "warmup_steps": w, "steady_steps": rest, "checkpoints": saves, "save_s": save_s,
+        "total_steps": total_steps, "warmup_steps": w, "warmup_measured_s": sum(warmup[:w]), "steady_steps": rest,
+        "checkpoints": saves, "save_s": save_s,
         "estimator": "median", "s_per_step": stats["median"], "s_per_step_range": [lo, hi], "step_spread": stats,
         "parts": parts, "measured": measured if measured is not None else [k for k in PARTS if k != "eval_s"],
-        "total_s": total, "low_s": total + rest * (lo - stats["median"]), "high_s": total + rest * (hi - stats["median"]),
+        "total_s": total, "low_s": total + total_steps * (lo - stats["median"]),
+        "high_s": total + total_steps * (hi - stats["median"]),
         "total_h": total / 3600,
-        "other_estimators": {name: total + rest * (stats[name] - stats["median"]) for name in ("mean", "trimmed_mean")},
+        "other_estimators": {name: total + total_steps * (stats[name] - stats["median"]) for name in ("mean", "trimmed_mean")},
     }
 
 
