@@ -26,6 +26,7 @@ def small(tmp_path, tiny_model, name, *extra):
             f"cache_dir={tmp_path / 'cache'}", "max_samples=48", "cutoff_len=128", "global_batch_size=8", *extra]
 
 
+@pytest.mark.slow  # minutes on 2 cores: the fast tier stays under 10 min (make test-all runs it)
 def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_model):
     p = tl("dryrun", *small(tmp_path, tiny_model, "dry", "dryrun_steps=3", "dryrun_warmup_steps=1"), "--preset", "all", "--nproc", "2", "--cpu")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -61,6 +62,7 @@ def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_mode
     assert not list((tmp_path / "dry" / "dryrun").glob("*/checkpoint-*"))  # timed, weighed, removed
 
 
+@pytest.mark.slow  # minutes on 2 cores: the fast tier stays under 10 min (make test-all runs it)
 def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_model):
     args = small(tmp_path, tiny_model, "run", "max_steps=4", "save_steps=2", "preset=C", "logging_steps=1")
     crashed = tl("train", *args, "--nproc", "2", "--cpu", env={"TUNELEDGER_CRASH_AFTER_STEP": "2"})

@@ -104,6 +104,7 @@ def test_seed_fixes_the_lora_init(tiny_model):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # two 2-rank trainings: minutes on 2 cores
 def test_same_seed_same_first_losses_two_gloo_ranks(tmp_path, tiny_model):
     def train(name, *extra):
         args = [str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={tiny_model}", f"output_dir={tmp_path / name}",

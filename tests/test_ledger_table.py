@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from tuneledger import ledger
+from tuneledger import eta, ledger
 from tuneledger.dryrun import finding, markdown, table
 
 
@@ -18,7 +18,11 @@ def row(preset, tokens_per_s, p10, p90, *, steps=4, sd=None, mem=130_000, mfu=0.
         "step_spread": {"p10": p10, "p90": p90, "sd": (p90 - p10) / 2.56 if sd is None else sd},
         "mfu": mfu, "memory_mib": [{"peak_allocated": mem}], "fits_24gb": fits,
         "fits_24gb_note": "no (out of memory under 23 GiB; needs 126.9)" if fits is False else "yes (ran under a 23 GiB cap)",
-        "save_s": 12.3, "checkpoint_bytes": 2e9, "eta": {"total_s": 123 * 3600 + 45 * 60, "total_steps": 100_000, "checkpoints": 500},
+        "save_s": 12.3, "checkpoint_bytes": 2e9,
+        # A real prediction's shape (eta.predict), its total set to a long run's, for the widest ETA cell.
+        "eta": {**eta.predict({"launch_s": 20.0, "model_load_s": 30.0}, [s_step] * 5, [s_step * (1 + d / 100) for d in range(-5, 6)],
+                              total_steps=100_000, save_steps=200, save_s=12.3, finish_s=3.0),
+                "total_s": 123 * 3600 + 45 * 60, "low_s": 122 * 3600, "high_s": 125 * 3600},
         "model": {"trainable_params": 161e6, "trainable_pct": 2.08, "attention": "sdpa"},
     }
 

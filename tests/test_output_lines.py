@@ -53,7 +53,7 @@ def test_dryrun_heading_names_the_preset_once_and_passes_progress(monkeypatch, c
 
     seen = []
 
-    def fake_run_one(cfg, prep_path, nproc, cpu, out_root, log, cap_gib=None, progress=None):
+    def fake_run_one(cfg, prep_path, nproc, cpu, out_root, log, cap_gib=None, progress=None, **kw):
         seen.append(progress)
         return 1, None, False
 

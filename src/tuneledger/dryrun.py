@@ -280,8 +280,10 @@ def eta_markdown(rows: list[dict]) -> list[str]:
         p = r["eta"]["parts"]
         lines.append(f"| {r['preset']} | " + " | ".join(f"{p[k]:.1f}" for k in eta_.PARTS) + f" | {eta_.fmt_eta(r['eta'])} |")
     e = rows[0]["eta"]
-    lines += ["", f"Measured by this dry-run: {', '.join(e['measured'])}; eval s is 0 (no evaluation configured). "
-              f"Steps: the run's first {e['warmup_steps']} as timed here, the other {e['steady_steps']:,} at the median s/step; "
+    no_eval = "" if "eval_s" in e["measured"] else "; eval s is 0 (no evaluation configured)"
+    lines += ["", f"Measured by this dry-run: {', '.join(e['measured'])}{no_eval}. "
+              f"Steps: all {e['total_steps']:,} at the median s/step (the run's first {e['warmup_steps']} too: timed "
+              f"here they took {e.get('warmup_measured_s', 0):.1f} s, with a fresh machine's first-use costs); "
               f"{e['checkpoints']} saves (every save_steps and the final one) at the save time measured here. "
               "The range is the median's 5-95% bootstrap interval over the measured steps."]
     return lines
@@ -409,13 +411,14 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
         # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
-        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, CAP_24GB_GIB if fit_check else None, nodes,
-                                  progress, eval_path, stats)
+        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, cap_gib=CAP_24GB_GIB if fit_check else None,
+                                  nodes=nodes, progress=progress, eval_path=eval_path, stats=stats)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, None, nodes, progress, eval_path, stats)
+            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, nodes=nodes, progress=progress,
+                                    eval_path=eval_path, stats=stats)
         ended = datetime.now(timezone.utc)
         earlier_s.append((ended - started).total_seconds())
         if result is None:
