@@ -139,7 +139,7 @@ def run_nodes(tmp_path, tiny_model, name, envs, base=None):
     outs = []
     for p in procs:
         try:
-            outs.append((p.wait(timeout=1500), p.stdout.read()))
+            outs.append((p.wait(timeout=3600), p.stdout.read()))
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
@@ -163,7 +163,7 @@ def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path, tiny_model)
     cached = [p.name for p in (tmp_path / "cache").iterdir()]
     assert len(cached) == 1 and ".tmp" not in cached[0], cached  # one copy, no half-written one left
     one = subprocess.run(tl_args(tmp_path, tiny_model, "one") + ["--nproc", "2"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=1500, env={**os.environ, **one_thread})
+                         text=True, timeout=3600, env={**os.environ, **one_thread})
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "node 0 of 2, c10d rendezvous 127.0.0.1:" in outs[0][1]
     assert "node 1: this node's ranks are done" in outs[1][1]
