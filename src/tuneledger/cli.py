@@ -48,6 +48,12 @@ def merge_preset(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # transformers' Trainer imports torch inductor, which starts a pool of compile-worker processes
+    # at import (torch 2.5: TORCH_WARM_POOL). Nothing here compiles; the pool cost start-up CPU and
+    # held the command's exit for seconds (tens on a loaded 2-core machine). A compile still works.
+    os.environ.setdefault("TORCH_WARM_POOL", "0")
     from tuneledger import quiet
     from tuneledger.config import ConfigError
     from tuneledger.model import PreflightError

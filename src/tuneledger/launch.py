@@ -193,6 +193,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         env = loopback_env(dict(os.environ))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NCCL_DEBUG", "WARN")
+    env.setdefault("TORCH_WARM_POOL", "0")  # no compile-worker pool per rank (see cli.main)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, nproc))))
     env["PYTHONUNBUFFERED"] = "1"
     if job.get("cpu"):
