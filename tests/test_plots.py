@@ -68,6 +68,16 @@ def test_dryrun_plot_gpu_and_cpu_rows(tmp_path):
     assert dryrun_plot([{"preset": "A", "skipped": "x"}], tmp_path / "no.png") is None
 
 
+def seal(ckpt, step):
+    """Stand-ins for what a save writes, then the manifest: only sealed checkpoints count (checkpoints.py)."""
+    from tuneledger.checkpoints import REQUIRED, write_manifest
+
+    for name in REQUIRED:
+        if not (ckpt / name).exists():
+            (ckpt / name).write_text("{}")
+    write_manifest(ckpt, step)
+
+
 def test_best_checkpoint_is_the_lowest_eval_loss_among_saved_ones(tmp_path):
     from tuneledger.launch import best_checkpoint
 
@@ -77,5 +87,6 @@ def test_best_checkpoint_is_the_lowest_eval_loss_among_saved_ones(tmp_path):
         ckpt = tmp_path / f"checkpoint-{step}"
         ckpt.mkdir()
         (ckpt / "trainer_state.json").write_text(json.dumps({"log_history": [h for h in history if h["step"] <= step]}))
+        seal(ckpt, step)
     assert best_checkpoint(tmp_path) == (str(tmp_path / "checkpoint-4"), 1.1)
     assert best_checkpoint(tmp_path / "nothing") is None

@@ -82,7 +82,8 @@ def test_7b_checkpoint_estimate_matches_the_field_report():
     from tuneledger.preflight import checkpoint_bytes
     from tuneledger.synth import ARCHS
 
-    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]})
+    # The field report's LoRA: r=64 on every projection (the defaults are LLaMA-Factory's r=8).
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "lora_rank": 64, "lora_alpha": 128})
     assert checkpoint_bytes(cfg, ARCHS["qwen2.5-7b"]) == 161_480_704 * 12  # ~1.94 GB: the report's "~1.9 GB"
 
 

@@ -380,7 +380,7 @@ def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobC
     if base.gradient_accumulation_steps and "global_batch_size" not in base.model_fields_set:
         # A LLaMA-Factory config gives the accumulation: its global batch is fixed from the config's own
         # micro-batch, so the presets (other micro-batches) are compared at the same global batch.
-        items = [*items, f"global_batch_size={resolve(base, nproc).global_batch_size}", "gradient_accumulation_steps=null"]
+        items = [*items, f"global_batch_size={resolve(base, world).global_batch_size}", "gradient_accumulation_steps=null"]
     for name in names:
         try:
             out.append((name, resolve(preset_config(items, name), world)))
