@@ -540,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
         led["plot"] = str(png)
     from tuneledger.plots import dryrun_plot
 
-    png = dryrun_plot(rows, out_root / "dryrun.png", f"dry-run {base.run_name}: {nproc} x {led['gpu']}")
+    png = dryrun_plot(rows, out_root / "dryrun.png", f"dry-run {base.run_name}: {world} x {led['gpu']}")
     if png:
         led["comparison_plot"] = str(png)
     ledger.write(out_root, "dryrun", led, markdown(led))
