@@ -243,6 +243,7 @@ def test_qlora_example_on_cpu_is_refused_before_loading(tmp_path, tiny_model):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # a 2-process run of minutes on 2 cores: make test stays under 10 min
 def test_eval_example_evaluates_on_every_rank_and_picks_the_best(tmp_path, tiny_model):
     from tuneledger.export import find_checkpoint
 
@@ -269,6 +270,7 @@ def test_eval_example_evaluates_on_every_rank_and_picks_the_best(tmp_path, tiny_
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # a 2-process run of minutes on 2 cores: make test stays under 10 min
 def test_dryrun_eta_counts_evaluation_and_draws_the_comparison(tmp_path, tiny_model):
     p = lf_run(tmp_path, tiny_model, EVAL, "dryrun_steps=3", "dryrun_warmup_steps=1", "eval_steps=1", "output_dir=dr",
                "--preset", "A", "--nproc", "1", verb="dryrun")

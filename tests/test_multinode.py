@@ -188,6 +188,7 @@ def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path, tiny_model)
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # a 2-process run of minutes on 2 cores: make test stays under 10 min
 def test_nodes_from_different_images_are_refused_naming_the_difference(tmp_path, tiny_model):
     outs = run_nodes(tmp_path, tiny_model, "mixed", [{"TUNELEDGER_HOST": "node-a", "TUNELEDGER_IMAGE": "sha256:aaa"},
                                                      {"TUNELEDGER_HOST": "node-b", "TUNELEDGER_IMAGE": "sha256:bbb"}])
@@ -199,6 +200,7 @@ def test_nodes_from_different_images_are_refused_naming_the_difference(tmp_path,
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # a 2-process run of minutes on 2 cores: make test stays under 10 min
 def test_dryrun_on_two_nodes_writes_one_ledger_with_the_nodes(tmp_path, tiny_model):
     base = [sys.executable, "-m", "tuneledger", "dryrun", str(ROOT / "configs" / "tiny.yaml"),
             f"model_name_or_path={tiny_model}", f"output_dir={tmp_path / 'dry'}", f"cache_dir={tmp_path / 'cache'}",
