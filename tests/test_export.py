@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import shared_data
 import procs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,17 +117,13 @@ def test_lost_merge_fails_the_fp32_check(tiny_run, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_model_learns_a_name_and_stops(tmp_path):
-    """SmolLM2-135M-Instruct (real weights) on identity.json with {{name}}/{{author}} filled."""
+def test_real_model_learns_a_name_and_stops(smollm2_identity_run):
+    """SmolLM2-135M-Instruct (real weights) on identity.json with {{name}}/{{author}} filled
+    (conftest's run, shared with tests/test_chat.py), exported, answers with its new name."""
     import torch
-    from assets import smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    identity = shared_data("identity.json")
-    base = smollm2()
-    run = train(tmp_path, base, "identity", f"dataset={identity}",
-                "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160", "global_batch_size=8",
-                "lora_rank=16", "lora_alpha=32", "lora_dropout=0", "learning_rate=1e-3", "max_steps=40", "save_steps=40")
+    _, run = smollm2_identity_run
     p = tl("export", "--adapter", str(run))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = run / "export"

@@ -67,6 +67,20 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_good_one_and_is_kept
     assert sorted(p.name for p in kept.iterdir()) == before and not newest.exists()
 
 
+def test_only_node_0_renames_a_damaged_checkpoint(tmp_path, capsys):
+    """The nodes of a job share runs/: every node skips the damaged checkpoint, one renames it."""
+    from tuneledger.train import pick_checkpoint
+
+    run = tmp_path / "run"
+    fake_checkpoint(run, 2)
+    (fake_checkpoint(run, 4) / "optimizer.pt").unlink()
+    assert pick_checkpoint(train_cfg(run), rename_damaged=False) == (str(run / "checkpoint-2"), None)
+    assert "left for node 0 to rename" in capsys.readouterr().err
+    assert (run / "checkpoint-4").is_dir() and not (run / "damaged-checkpoint-4").exists()
+    assert pick_checkpoint(train_cfg(run)) == (str(run / "checkpoint-2"), None)
+    assert (run / "damaged-checkpoint-4").is_dir() and not (run / "checkpoint-4").exists()
+
+
 def test_no_checkpoint_verifies_refuses_naming_the_missing_file(tmp_path, capsys):
     from tuneledger.train import pick_checkpoint
 

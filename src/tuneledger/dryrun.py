@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
         if not prep.from_cache:
             # The train after this dry-run finds the cache made now: time that load, not the tokenizing.
             t0 = time.perf_counter()
-            load_prepared(base)
+            load_prepared(base, model_checked=True)
             startup["data_s"] = time.perf_counter() - t0
         eval_prep = prepare_eval(base)
     except (PreflightError, DataError) as e:

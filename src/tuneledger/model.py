@@ -247,14 +247,16 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     initialised from `cfg.seed`.
 
     Returns (peft model, info) where info has trainable/total parameters, attention backend,
-    dtype and whether the model is synthetic. Raises PreflightError for 4-bit without CUDA.
+    dtype (bf16 on CUDA when `cfg.bf16`, else fp32) and whether the model is synthetic. Raises PreflightError for 4-bit without CUDA.
     """
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    # bf16 is the GPU's compute type. CPUs without native bf16 (no AVX512-BF16/AMX) emulate it: a
+    # bf16 matmul ran at 1.6 GFLOP/s against fp32's 64 on CI's 2-core EPYC, so a CPU run is fp32.
+    dtype = torch.bfloat16 if cfg.bf16 and device.type == "cuda" else torch.float32
     attn = attention_backend(cfg.flash_attn, device.type)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
     if cfg.quantization_bit == 4:

@@ -39,19 +39,22 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     return None
 
 
-def load_prepared(cfg: JobConfig, progress: bool = True) -> Prepared:
+def load_prepared(cfg: JobConfig, progress: bool = True, model_checked: bool = False) -> Prepared:
     """The model checks that need only config.json and the tokenizer (the same for stats, dryrun
     and train: a VL variant, a tokenizer past the embedding rows), then the prepared data.
-    Raises PreflightError or DataError."""
-    return prepare(cfg, checked_tokenizer(cfg), progress=progress)
+    `model_checked`: preflight.run_checks already did the config.json checks. Raises
+    PreflightError or DataError."""
+    return prepare(cfg, checked_tokenizer(cfg, model_checked), progress=progress)
 
 
-def checked_tokenizer(cfg: JobConfig) -> Any:
+def checked_tokenizer(cfg: JobConfig, model_checked: bool = False) -> Any:
     """The model's tokenizer, after the checks that need only config.json and the tokenizer: a VL
-    variant, code shipped with the model, ids past the embedding rows. Raises PreflightError."""
+    variant, code shipped with the model (both skipped when `model_checked`: preflight did them),
+    ids past the embedding rows. Raises PreflightError."""
     config = read_model_config(cfg.model_name_or_path)
-    check_text_causal_lm(config, cfg.model_name_or_path)
-    check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code)
+    if not model_checked:
+        check_text_causal_lm(config, cfg.model_name_or_path)
+        check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code)
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     check_embedding_rows(tokenizer, config, cfg.model_name_or_path)
     return tokenizer
@@ -72,7 +75,7 @@ def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None)
     for line in run_checks(cfg, cuda=not cpu):
         print(f"preflight ok: {line}")
     t1 = time.perf_counter()
-    prep = load_prepared(cfg)
+    prep = load_prepared(cfg, model_checked=True)
     # What was left out is reported here exactly as `stats` reports it, and written beside the run.
     rec = prep.report["records"]
     print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
@@ -93,7 +96,7 @@ def prepare_eval(cfg: JobConfig) -> Prepared | None:
     if not cfg.eval_dataset or cfg.eval_strategy == "no":
         return None
     ev = cfg.model_copy(update={"dataset": cfg.eval_dataset, "eval_dataset": None})
-    prep = load_prepared(ev)
+    prep = load_prepared(ev, model_checked=True)  # after prepare_for_training: same model
     if not prep.report["records"]["valid"]:
         raise DataError(f"eval_dataset {', '.join(cfg.eval_dataset)}: no valid record ({prep.report['records']['invalid']} invalid)")
     print(f"eval data: {prep.report['records']['valid']:,} records of {', '.join(cfg.eval_dataset)}")

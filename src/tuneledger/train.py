@@ -52,11 +52,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def pick_checkpoint(cfg: JobConfig) -> tuple[str | None, str | None]:
+def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | None, str | None]:
     """(checkpoint to resume from, or None; why the run must not start, or None).
 
     `auto`: the newest checkpoint whose manifest verifies. Damaged newer ones are named in a
-    warning and renamed to damaged-checkpoint-N (kept; never deleted). If checkpoints exist but
+    warning and, when `rename_damaged` (node 0 of a job: the nodes share runs/, and two nodes
+    renaming the same folder race), renamed to damaged-checkpoint-N (kept; never deleted). If checkpoints exist but
     none verifies, the run refuses rather than silently starting over. A path is used as given
     if it verifies (or is an old checkpoint without a manifest but with every file a resume needs).
     """
@@ -75,8 +76,11 @@ def pick_checkpoint(cfg: JobConfig) -> tuple[str | None, str | None]:
         return str(path), None
     good, bad = scan(out)
     if bad:
-        moved = set_aside(bad)
-        lines = "\n  ".join(f"{p.name}: {why} -> kept as {m.name}" for (p, why), m in zip(bad, moved))
+        if rename_damaged:
+            kept = [f"kept as {m.name}" for m in set_aside(bad)]
+        else:
+            kept = ["left for node 0 to rename"] * len(bad)
+        lines = "\n  ".join(f"{p.name}: {why} -> {k}" for (p, why), k in zip(bad, kept))
         print(f"WARNING: {len(bad)} checkpoint(s) in {out} do not verify and are skipped (not deleted):\n  {lines}",
               file=sys.stderr, flush=True)
         if good is None:
@@ -97,7 +101,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     out.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
     from tuneledger.trainer import data_changes, resume_conflicts  # torch: only once a run is asked for
 
-    resume, refusal = pick_checkpoint(cfg)
+    resume, refusal = pick_checkpoint(cfg, rename_damaged=nodes.first)
     if refusal:
         print(f"tuneledger train: {refusal}", file=sys.stderr)
         return 2
