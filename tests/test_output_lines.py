@@ -38,6 +38,23 @@ def test_step_progress_prints_first_last_and_throttled(capsys, monkeypatch):
                      "dry-run preset A (1 of 1): step 4/4, 7.50 s/step so far; ETA 0 min 00 s"]
 
 
+def test_a_training_prints_its_eta_not_a_dry_runs(capsys, monkeypatch):
+    """A training's launcher also gives the start time (for "ready after"); its step line still says
+    ETA, never "this preset" or "the dry-run"."""
+    import time
+
+    import tuneledger.progress as progress
+
+    clock = iter([0.0, 30.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    cb = StepProgress("train tiny", started_wall=time.time() - 20)
+    state = SimpleNamespace(global_step=0, max_steps=40, is_world_process_zero=True)
+    cb.on_step_begin(None, state, None)
+    state.global_step = 1
+    cb.on_step_end(None, state, None)
+    assert capsys.readouterr().out == "train tiny: step 1/40, 30.00 s/step so far; ETA 19 min 30 s\n"
+
+
 def test_only_rank_zero_prints(capsys):
     cb = StepProgress("train r")
     state = SimpleNamespace(global_step=0, max_steps=4, is_world_process_zero=False)

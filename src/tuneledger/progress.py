@@ -36,11 +36,12 @@ class StepProgress(TrainerCallback):
     """Prints `progress_line` on rank 0 after the first step, the last, and at most every `every_s` between.
 
     `job["progress"]` (optional): {"label", "later_presets", "earlier_s", "started_wall"} from the launcher.
+    `dryrun`: the line counts the presets ("this preset ..., the dry-run ..."); a training's says ETA.
     """
 
     def __init__(self, label: str, every_s: float = 10.0, later_presets: int = 0, earlier_s: list[float] | None = None,
-                 started_wall: float | None = None):
-        self.label, self.every_s = label, every_s
+                 started_wall: float | None = None, dryrun: bool = False):
+        self.label, self.every_s, self.dryrun = label, every_s, dryrun
         self.later_presets, self.earlier_s, self.started_wall = later_presets, earlier_s or [], started_wall
         self._t0: float | None = None
         self._first_step = 0
@@ -65,6 +66,6 @@ class StepProgress(TrainerCallback):
             return
         self._last_print = now
         per_step = (now - self._t0) / max(1, step - self._first_step)
-        elapsed = time.time() - self.started_wall if self.started_wall else None
+        elapsed = time.time() - self.started_wall if self.started_wall and self.dryrun else None
         print(progress_line(self.label, step, total, per_step, later_presets=self.later_presets,
                             earlier_s=self.earlier_s, preset_elapsed_s=elapsed), flush=True)

@@ -732,7 +732,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     progress = job.get("progress") or {}
     trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
                                       later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
-                                      started_wall=progress.get("started_wall")))
+                                      started_wall=progress.get("started_wall"), dryrun=mode == "dryrun"))
     eval_counter = EvalCounter()
     trainer.add_callback(eval_counter)
     if mode == "train" and cfg.plot_loss:
