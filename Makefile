@@ -182,7 +182,7 @@ models/synthetic-%/config.json: | $(ENV_DEP)
 MODEL_DEP = $(if $(filter models/synthetic-%,$(patsubst ./%,%,$(JOB_MODEL))),$(patsubst ./%,%,$(JOB_MODEL))/config.json)
 
 stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
-	$(TL) stats $(CONFIG) $(OVERRIDES)
+	$(TL) stats $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
 
 dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D)
 	$(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)

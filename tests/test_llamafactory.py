@@ -234,6 +234,18 @@ def test_lora_sft_example_trains_on_cpu(tmp_path, tiny_model):
 
 
 @pytest.mark.e2e
+def test_stats_counts_the_steps_train_will_run(tmp_path, tiny_model):
+    """The LoRA example gives micro-batch 1 x accumulation 8 and no global batch: on 2 ranks that is a
+    global batch of 8 on 1 rank (not the default 16), as train computes it, and stats' steps per epoch
+    must use the same."""
+    p = lf_run(tmp_path, tiny_model, LORA, "--nproc", "1", verb="stats")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "global batch 8 = micro-batch 1 x gradient accumulation 8 x world size 1" in p.stdout
+    report = json.loads((tmp_path / "saves" / "qwen3-4b" / "lora" / "sft" / "stats.json").read_text())
+    assert report["global_batch_size"] == 8 and report["steps_per_epoch"] == -(-26 // 8)  # 6 identity + 20 alpaca
+
+
+@pytest.mark.e2e
 def test_qlora_example_on_cpu_is_refused_before_loading(tmp_path, tiny_model):
     """A QLoRA config needs bitsandbytes on CUDA: on a CPU it stops in preflight, saying how to run it."""
     p = lf_run(tmp_path, tiny_model, QLORA, "max_steps=1", "--nproc", "1")

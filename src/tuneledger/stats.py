@@ -185,6 +185,16 @@ def write(prep: Prepared, cfg: JobConfig) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     cfg = from_cli(args.items)
+    if cfg.gradient_accumulation_steps and "global_batch_size" not in cfg.model_fields_set:
+        # A LLaMA-Factory config gives micro-batch x accumulation, and the global batch is that times
+        # the world size: count the ranks as train will, or steps per epoch is off by that factor.
+        from tuneledger.config import resolve
+        from tuneledger.launch import processes
+
+        world = processes(args.cpu, args.nproc)[1]
+        cfg = resolve(cfg, world)
+        print(f"global batch {cfg.global_batch_size} = micro-batch {cfg.per_device_train_batch_size} x gradient "
+              f"accumulation {cfg.gradient_accumulation_steps} x world size {world} (--nproc / NPROC to change)")
     try:
         tokenizer = checked_tokenizer(cfg)  # the same model checks as dryrun and train
         prep = prepare(cfg, tokenizer)
@@ -205,4 +215,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("stats", help="count tokens, validate records, estimate steps; fills the tokenized cache")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     add_preset_option(p)
+    # Only a config that gives gradient_accumulation_steps instead of global_batch_size needs these.
+    p.add_argument("--nproc", type=int, help="ranks train will run, for a global batch given as accumulation "
+                   "(default: every visible GPU; 2 on a CPU)")
+    p.add_argument("--cpu", action="store_true", help="count the ranks of a CPU run (2 unless --nproc)")
     p.set_defaults(func=run)
