@@ -41,6 +41,18 @@ def test_stats_of_other_data_do_not_overwrite_the_runs_stats(tmp_path, job, tiny
     assert len(list(run.glob("stats-*.json"))) == 1
 
 
+def test_stats_that_failed_the_gate_claim_no_run(tmp_path, job, capsys):
+    """Counting broken data (here: every record invalid) must not make the fixed data a stranger."""
+    run = tmp_path / "runs" / "tiny"
+    (tmp_path / "broken.jsonl").write_text('{"instruction": "hi"}\n' * 4)  # no output: all invalid
+    assert cli.main(["stats", *job, f"dataset={tmp_path / 'broken.jsonl'}"]) == 1
+    assert json.loads((run / "stats.json").read_text())["gate_passed"] is False
+    capsys.readouterr()
+    assert cli.main(["stats", *job, f"dataset={tmp_path / 'demo.jsonl'}"]) == 0
+    assert "belongs to data" not in capsys.readouterr().out and not list(run.glob("stats-*.json"))
+    assert json.loads((run / "stats.json").read_text())["records"]["valid"] == 6
+
+
 def test_a_training_run_decides_whose_data_the_run_is(tmp_path, job, capsys):
     run = tmp_path / "runs" / "tiny"
     run.mkdir(parents=True)

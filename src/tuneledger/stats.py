@@ -81,10 +81,10 @@ def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None)
     print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
           + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
     print_invalid(prep, cfg)
-    write(prep, cfg)
+    problem = gate(prep, cfg)
+    write(prep, cfg, gate_passed=not problem, training=True)
     if timings is not None:
         timings.update(preflight_s=t1 - t0, data_s=time.perf_counter() - t1)
-    problem = gate(prep, cfg)
     if problem:
         raise DataError(problem)
     return prep
@@ -154,29 +154,38 @@ def run_data_hash(out_dir: Path, training_only: bool = False) -> tuple[str, str]
     """
     sources = [("job.json", lambda d: Path(d["data_path"]).name)]
     if not training_only:
-        sources += [("dryrun.json", lambda d: d["data_hash"]), ("stats.json", lambda d: d["cache_key"])]
+        # Stats whose data failed the gate claim nothing: the user fixes the data and counts again.
+        sources += [("dryrun.json", lambda d: d["data_hash"]),
+                    ("stats.json", lambda d: d["cache_key"] if d.get("gate_passed", True) else None)]
     for name, read in sources:
         try:
-            return read(json.loads((out_dir / name).read_text())), str(out_dir / name)
+            key = read(json.loads((out_dir / name).read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        if key:
+            return key, str(out_dir / name)
     return None
 
 
-def write(prep: Prepared, cfg: JobConfig) -> Path:
+def write(prep: Prepared, cfg: JobConfig, gate_passed: bool = True, training: bool = False) -> Path:
     """Write stats.json and invalid.jsonl into the run directory, or, when that run belongs to
-    other data, stats-<hash>.json and invalid-<hash>.jsonl beside them. Returns the stats path."""
+    other data, stats-<hash>.json and invalid-<hash>.jsonl beside them. Returns the stats path.
+
+    `gate_passed`: whether the data passed `gate` (stats that failed it claim no run directory).
+    `training`: written by dryrun or train: only a training's job.json sends these stats beside the
+    run's, and quietly (the resume check refuses changed data, naming both hashes)."""
     out_dir, key = cfg.out_dir, prep.report["cache_key"]
-    owner = run_data_hash(out_dir)
+    owner = run_data_hash(out_dir, training_only=training)
     suffix = f"-{key}" if owner and owner[0] != key else ""
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = dict(prep.report, dataset=cfg.dataset, model=cfg.model_name_or_path, template=cfg.template)
+    out = dict(prep.report, dataset=cfg.dataset, model=cfg.model_name_or_path, template=cfg.template,
+               gate_passed=gate_passed)
     path = out_dir / f"stats{suffix}.json"
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False))
     with open(out_dir / f"invalid{suffix}.jsonl", "w", encoding="utf-8") as f:
         for inv in prep.invalid:
             f.write(json.dumps(inv.as_dict(), ensure_ascii=False) + "\n")
-    if suffix:
+    if suffix and not training:  # train and dryrun say themselves whether the data change stops them
         print(f"{out_dir} belongs to data {owner[0]} ({owner[1]}); these stats are of other data ({key}), so they went "
               f"to {path.name}, leaving the run's own stats.json as it was. To train on this data, give it a run of "
               f"its own: RUN=<name> (run_name=<name>).")
@@ -202,9 +211,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuneledger stats: {e}", file=sys.stderr)
         return 1
     render(prep, cfg, tokenizer)
-    path = write(prep, cfg)
-    print(f"wrote {path}")
     problem = gate(prep, cfg)
+    path = write(prep, cfg, gate_passed=not problem)
+    print(f"wrote {path}")
     if problem:
         print(f"tuneledger stats: {problem}", file=sys.stderr)
         return 1
