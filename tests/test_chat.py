@@ -67,6 +67,7 @@ def test_chat_cli_one_prompt_and_clear_errors(adapter_run, tmp_path):
     p = tl("chat", str(adapter_run), "--prompt", "who are you?", "--max-new-tokens", "5", "--device", "cpu")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "chat: " in p.stderr and "+ adapter" in p.stderr and p.stdout.strip()
+    assert "SYNTHETIC model (random weights)" in p.stderr  # the tiny model: noise is expected, and said
     p = tl("chat", str(tmp_path / "no-such-run"), "--prompt", "x")
     assert p.returncode == 1 and "no run" in p.stderr and "no-such-run" in p.stderr
     p = tl("chat", str(adapter_run), "--checkpoint", "best", "--prompt", "x")
@@ -117,6 +118,7 @@ def test_real_model_answers_with_its_new_name(smollm2_identity_run):
     p = tl("chat", str(run), "--prompt", "who are you?", "--max-new-tokens", "64", "--device", "cpu")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Ledgerly" in p.stdout, p.stdout
+    assert "SYNTHETIC" not in p.stderr  # real weights
     from transformers import AutoTokenizer
 
     n_tokens = len(AutoTokenizer.from_pretrained(base)(p.stdout.strip())["input_ids"])

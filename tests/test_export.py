@@ -44,6 +44,7 @@ def test_merged_equals_base_plus_adapter(tiny_run, tiny_model):
     out = tiny_run / "export"
     led = json.loads((out / "export.json").read_text())
     assert led["checkpoint"] == str(tiny_run / "checkpoint-3") and led["verification"]["passed"]
+    assert led["synthetic"] is True and "SYNTHETIC base (random weights)" in p.stdout
     assert led["verification"]["prompts"] >= 5  # fixed prompts plus the run's own chat samples
     m = led["verification"]["merge_fp32"]
     assert m["passed"] and m["merge_error_rel"] < 1e-3 < m["adapter_effect_rel"]  # the adapter changed the model

@@ -171,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuneledger chat: {e}", file=sys.stderr)
         return 1
     print(f"chat: {loaded.source}", file=sys.stderr, flush=True)
+    if getattr(loaded.model.config, "tuneledger_synthetic", None):
+        print("chat: SYNTHETIC model (random weights): its answers are noise, whatever the training did",
+              file=sys.stderr, flush=True)
     if args.prompt is not None:
         reply(loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
         return 0

@@ -320,6 +320,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
             "safetensors_bytes": size, "shards": len(list(tmp.glob("*.safetensors"))), "eos_token_ids": gen.eos_token_id,
             "verification": check, "seconds": round(time.perf_counter() - t0, 1),
             "samples": [tokenizer.decode(g["tokens"], skip_special_tokens=False) for g in got[:2]],
+            "synthetic": "tuneledger_synthetic" in saved_cfg,  # random weights: its answers are noise
         }
         (tmp / "export.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False))
         apply_umask(tmp)  # safetensors wrote model.safetensors 0600
@@ -344,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
           f"{v['positions'] - v['tie_flips']}/{v['positions']} greedy tokens identical ({v['tie_flips']} ties), "
           f"{v['greedy_identical']}/{v['prompts']} continuations identical, max relative logit difference "
           f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:g})")
+    if led["synthetic"]:
+        print(f"SYNTHETIC base (random weights): {led['out']} is verified, but what it says is noise", flush=True)
     return 0
 
 
