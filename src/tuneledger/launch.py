@@ -24,6 +24,41 @@ from tuneledger.nodes import Nodes, nccl_env
 
 # The last line of a Python traceback, with or without torchrun's "[rankN]: " prefix.
 ROOT_CAUSE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:.*)$")
+# torchrun's failure summary: "  rank      : 1 (local_rank: 1)" ... "  traceback : Signal 9 (SIGKILL) received by PID 7".
+FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
+RANK_SIGNAL = re.compile(r"Signal (\d+) \((\w+)\) received by PID")
+
+
+class FailureReader:
+    """Reads the launcher's output line by line and keeps what caused a failure, once: the last line
+    of each distinct traceback, and first of all a rank that died of a signal (torchrun's summary
+    says "rank : 1 (local_rank: 1)" ... "Signal 9 (SIGKILL) received by PID"), since the other ranks'
+    errors (a lost connection, a timeout) only follow from it."""
+
+    WHY = {"SIGKILL": "the kernel's out-of-memory killer (see `dmesg`) or a kill -9",
+           "SIGSEGV": "a crash in native code (a CUDA or library fault)",
+           "SIGBUS": "a bus error: often a full /dev/shm (docker run --shm-size, or ipc: host)"}
+
+    def __init__(self) -> None:
+        self.killed: dict[str, None] = {}
+        self.errors: dict[str, None] = {}
+        self._rank = "?"
+
+    def feed(self, line: str) -> None:
+        cause = ROOT_CAUSE.match(line)
+        if cause and "ChildFailedError" not in line:
+            self.errors[cause.group(1).strip()] = None
+        rank, sig = FAILED_RANK.match(line), RANK_SIGNAL.search(line)
+        if rank:
+            self._rank = rank.group(1)
+        if sig:
+            num, name = sig.groups()
+            self.killed[f"rank {self._rank} was killed by {name} (signal {num}): {self.WHY.get(name, 'a signal')}; "
+                        "the other ranks' errors follow from it"] = None
+
+    def causes(self) -> list[str]:
+        """At most 4 lines: the killed ranks, then the last 3 distinct errors."""
+        return [*self.killed, *list(self.errors)[-3:]][:4]
 
 
 def free_port() -> int:
@@ -205,7 +240,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     print(f"launch: {nproc} process(es), {rendezvous}", flush=True)
     # Line-buffered: after a kill -9 or a full disk the log holds every line up to then.
     log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None
-    causes: dict[str, None] = {}
+    failure = FailureReader()
     # Its own session: a terminal's Ctrl-C reaches this process only, which decides what the ranks get.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True, preexec_fn=_die_with_parent)
@@ -229,9 +264,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
                 except OSError as e:  # a full disk must not kill the launcher that reports it
                     print(f"launch: cannot write {log_path} ({e}); the log goes on here only", file=sys.stderr)
                     log = None
-            cause = ROOT_CAUSE.match(line)
-            if cause and "ChildFailedError" not in line:
-                causes[cause.group(1).strip()] = None
+            failure.feed(line)
         rc = proc.wait()
     except (KeyboardInterrupt, Terminated) as stop:
         if main:  # a second SIGTERM must not cut the wait for the ranks short
@@ -255,7 +288,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         print(f"the ranks did not stop within stop_grace_period_s={stopper.grace_s:g} s of {stopper.signal} and were "
               "killed; the same command resumes from the last good checkpoint", file=sys.stderr, flush=True)
         return 124
-    if rc != 0 and causes:
+    if rc != 0 and failure.causes():
         # A failed rank buries its error in every rank's traceback and torchrun's own: say it once.
-        print("\nworker error: " + "\n              ".join(list(causes)[-3:]), file=sys.stderr, flush=True)
+        print("\nworker error: " + "\n              ".join(failure.causes()), file=sys.stderr, flush=True)
     return rc
