@@ -240,6 +240,8 @@ def test_changed_data_is_refused_unless_resume_on_changed_data(tmp_path, finishe
         p = tl(*args(tiny_model, data, run, "max_steps=6"))
         assert p.returncode == 2 and "the data changed since" in p.stderr
         assert p.stderr.count("sha256") == 2 and "resume_on_changed_data=true" in p.stderr
+        both = tl(*args(tiny_model, data, run, "max_steps=6", "lora_rank=8"))  # one refusal names both changes
+        assert both.returncode == 2 and "lora_rank: checkpoint" in both.stderr and both.stderr.count("sha256") == 2
         anyway = tl(*args(tiny_model, data, run, "resume_on_changed_data=true"))
         assert anyway.returncode == 0 and "resuming on changed data" in anyway.stderr
         assert "is already trained" in anyway.stdout  # got past the check; 4 of 4 steps done

@@ -109,12 +109,13 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     if resume:
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
         conflicts = resume_conflicts(resume, cfg)
-        if conflicts:
+        changed = data_changes(resume, prep.report["data_files"])
+        if conflicts:  # and the data too, when it changed: every reason in one refusal
             print(f"tuneledger train: {resume} was trained with other settings than this run asks for:\n  "
-                  + "\n  ".join(conflicts) + "\nResuming would silently train something else. Use another run_name "
+                  + "\n  ".join(conflicts + [f"data: {c}" for c in changed])
+                  + "\nResuming would silently train something else. Use another run_name "
                   "for the new settings, or resume_from_checkpoint=never to start this folder over.", file=sys.stderr)
             return 2
-        changed = data_changes(resume, prep.report["data_files"])
         if changed and not cfg.resume_on_changed_data:
             print(f"tuneledger train: the data changed since {resume} was saved:\n  " + "\n  ".join(changed)
                   + "\nResuming would go on training on other data than the run so far. Use another run_name, "
