@@ -188,3 +188,15 @@ def test_step_progress_says_when_the_model_is_ready(capsys):
     cb.on_train_begin(None, SimpleNamespace(global_step=2, max_steps=10, is_world_process_zero=True), None)
     out = capsys.readouterr().out
     assert out.startswith("train r: ready after 4") and out.endswith("(start-up and model load); 8 steps to run\n")
+
+
+def test_the_same_verdict_for_every_preset_is_printed_once(capsys, monkeypatch):
+    """A CPU dry-run has no GPU samples, so each preset's verdict is the same 'unknown' line."""
+    from tuneledger import dryrun
+
+    monkeypatch.setattr(dryrun, "table", lambda led: "")
+    same = "unknown: GPU util unavailable"
+    dryrun.print_table({"presets": [], "verdicts": {p: same for p in "ABCD"}})
+    assert capsys.readouterr().out.strip().splitlines() == [f"VERDICT A, B, C, D: {same}"]
+    dryrun.print_table({"presets": [], "verdicts": {"A": "compute-bound", "B": same}})
+    assert capsys.readouterr().out.strip().splitlines() == ["VERDICT A: compute-bound", f"VERDICT B: {same}"]

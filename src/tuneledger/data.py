@@ -99,7 +99,7 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 cut = " (the last line, with no newline after it: was the file cut short?)" if lineno == len(lines) else ""
-                yield where, Invalid(where, "<line>", f"not valid JSON: {e.msg} at column {e.colno}{cut}", "not valid JSON")
+                yield where, Invalid(where, "<line>", f"not valid JSON: {e.msg.removesuffix(' at')} at column {e.colno}{cut}", "not valid JSON")
             except (ValueError, RecursionError) as e:  # int over Python's digit limit, nesting too deep
                 yield where, Invalid(where, "<line>", f"not valid JSON: {type(e).__name__}: {str(e)[:200]}", "not valid JSON")
             else:  # the line's bytes were UTF-8: a surrogate now comes from a JSON escape

@@ -27,7 +27,7 @@ from tuneledger import eta as eta_
 from tuneledger import ledger
 from tuneledger.config import PRESETS, ConfigError, JobConfig, add_preset_option, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
-from tuneledger.ledger import CAP_24GB_GIB, fmt_h
+from tuneledger.ledger import CAP_24GB_GIB, fmt_h, plural
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
@@ -364,11 +364,15 @@ def print_table(led: dict) -> None:
             print(f"preset {r['preset']} skipped: {r['skipped']}")
     if rows:
         r = rows[0]
-        print(f"total steps {r['eta']['total_steps']:,} ({r['eta']['checkpoints']} checkpoints of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
+        print(f"total steps {r['eta']['total_steps']:,} ({plural(r['eta']['checkpoints'], 'checkpoint')} of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
               f"steady state after {led['warmup_steps']} warm-up steps; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
               f"({r['model']['trainable_pct']}%); attention {r['model']['attention']}")
-    for preset, line in (led.get("verdicts") or {}).items():
-        print(f"VERDICT {preset}: {line}")
+    verdicts = led.get("verdicts") or {}
+    if len(verdicts) > 1 and len(set(verdicts.values())) == 1:  # a CPU run: the same "unknown" for each
+        print(f"VERDICT {', '.join(verdicts)}: {next(iter(verdicts.values()))}")
+    else:
+        for preset, line in verdicts.items():
+            print(f"VERDICT {preset}: {line}")
     if led.get("finding"):
         print(f"FINDING: {led['finding']}")
 
@@ -546,7 +550,8 @@ def run(args: argparse.Namespace) -> int:
     ledger.write(out_root, "dryrun", led, markdown(led))
     print()
     print_table(led)
-    print(f"wrote {out_root / 'dryrun.json'}, {out_root / 'dryrun.md'} and {log}")
+    wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([led["comparison_plot"]] if png else [])]
+    print(f"wrote {', '.join(map(str, wrote))} and {log}")
     return 0 if done else 1
 
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuneledger.ledger import fmt_h
+from tuneledger.ledger import fmt_h, plural
 
 PARTS = ("python_start_s", "preflight_s", "data_s", "launch_s", "model_load_s", "setup_s",
          "warmup_steps_s", "steps_s", "saves_s", "eval_s", "finish_s")
@@ -162,7 +162,7 @@ def fmt_parts(eta: dict) -> str:
     inner = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {p[k]:.1f}" for k in STARTUP)
     text = (f"start-up {fmt_h(start)} ({inner} s) + {eta['warmup_steps']} warm-up steps {p['warmup_steps_s']:.1f} s "
             f"+ {eta['steady_steps']} steps x {eta['s_per_step']:.3f} s = {fmt_h(p['steps_s'])} "
-            f"+ {eta['checkpoints']} saves x {eta['save_s']:.1f} s")
+            f"+ {plural(eta['checkpoints'], 'save')} x {eta['save_s']:.1f} s")
     if p["eval_s"]:
         text += f" + eval {fmt_h(p['eval_s'])}"
     return text + f" + finish {p['finish_s']:.1f} s"

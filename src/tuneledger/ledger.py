@@ -192,6 +192,11 @@ def run_loss(log_history: list[dict], resumed_step: int = 0) -> dict:
     return {"mean": total / covered if covered else None, "last": last, "last_step": last_step, "steps_covered": covered}
 
 
+def plural(n: int, word: str) -> str:
+    """'1 checkpoint', '2 checkpoints' (English -s plurals only)."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def fmt_h(seconds: float) -> str:
     h, rem = divmod(int(round(seconds)), 3600)
     return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"
