@@ -200,3 +200,11 @@ def test_the_same_verdict_for_every_preset_is_printed_once(capsys, monkeypatch):
     assert capsys.readouterr().out.strip().splitlines() == [f"VERDICT A, B, C, D: {same}"]
     dryrun.print_table({"presets": [], "verdicts": {"A": "compute-bound", "B": same}})
     assert capsys.readouterr().out.strip().splitlines() == ["VERDICT A: compute-bound", f"VERDICT B: {same}"]
+
+
+def test_peak_memory_is_the_gpus_or_on_a_cpu_the_rss():
+    from tuneledger.dryrun import peak_mib
+
+    assert peak_mib({"memory_mib": [{"peak_allocated": 900, "peak_rss": 5000}, {"peak_allocated": 1200}]}) == "1,200"
+    assert peak_mib({"memory_mib": [{"peak_allocated": None, "peak_rss": 1973}, {"peak_allocated": None, "peak_rss": 2100}]}) == "2,100 RSS"
+    assert peak_mib({"memory_mib": [{"peak_allocated": None}]}) == "-"

@@ -218,7 +218,7 @@ def markdown(led: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
-        mem = max((m["peak_allocated"] or 0) for m in r["memory_mib"]) or "-"
+        mem = peak_mib(r)
         lines.append(
             f"| {r['preset']} | {r['micro_batch']} x {r['gradient_accumulation_steps']} | {'on' if r['gradient_checkpointing'] else 'off'} "
             f"| {'on' if r['packing'] else 'off'} | {r['s_per_step']:.3f} (p10-p90 {r['step_spread']['p10']:.3f}-{r['step_spread']['p90']:.3f}) "
@@ -328,6 +328,14 @@ def _fits(row: dict) -> str:
     return {True: "yes", False: "no"}.get(row.get("fits_24gb"), "n/a" if "CPU" in str(row.get("fits_24gb_note")) else "?")
 
 
+def peak_mib(r: dict) -> str:
+    """The preset's peak memory per rank for the tables (MiB): the GPU's peak allocation, or on a CPU
+    run the process's peak resident set, marked RSS; "-" when neither was measured."""
+    gpu = max((m["peak_allocated"] or 0) for m in r["memory_mib"])
+    rss = max((m.get("peak_rss") or 0) for m in r["memory_mib"])
+    return f"{gpu:,}" if gpu else f"{rss:,} RSS" if rss else "-"
+
+
 def table(led: dict) -> Any:
     """The terminal ledger: a rich Table that fits 100 columns. dryrun.md has every column;
     this one leaves out tokens/s per GPU, save time and the spreads, and shortens the 24 GB note."""
@@ -341,11 +349,11 @@ def table(led: dict) -> Any:
         t.add_column(col, justify="right", no_wrap=True)
     rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
     for i, r in enumerate(rows, 1):
-        mem = max((m["peak_allocated"] or 0) for m in r["memory_mib"])
+        mem = peak_mib(r)
         t.add_row(str(i), r["preset"], f"{r['micro_batch']} x {r['gradient_accumulation_steps']}",
                   "on" if r["gradient_checkpointing"] else "off", "on" if r["packing"] else "off",
                   f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
-                  f"{mem:,}" if mem else "-", _fits(r), fmt_h(r["eta"]["total_s"]))
+                  mem, _fits(r), fmt_h(r["eta"]["total_s"]))
     for r in led["presets"]:
         if "skipped" in r:
             t.add_row("-", r["preset"], "skipped", *[""] * 8)  # the reason follows the table
