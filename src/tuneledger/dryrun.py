@@ -389,7 +389,7 @@ def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobC
     """Each preset's resolved config, or the config error that rules it out at this world size."""
     out: list[tuple[str, JobConfig | ConfigError]] = []
     base = from_cli(items)
-    if base.gradient_accumulation_steps and "global_batch_size" not in base.model_fields_set:
+    if base.batch_from_accumulation:
         # A LLaMA-Factory config gives the accumulation: its global batch is fixed from the config's own
         # micro-batch, so the presets (other micro-batches) are compared at the same global batch.
         items = [*items, f"global_batch_size={resolve(base, world).global_batch_size}", "gradient_accumulation_steps=null"]
@@ -558,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
     ledger.write(out_root, "dryrun", led, markdown(led))
     print()
     print_table(led)
-    wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([led["comparison_plot"]] if png else [])]
+    wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
     print(f"wrote {', '.join(map(str, wrote))} and {log}")
     return 0 if done else 1
 

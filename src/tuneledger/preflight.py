@@ -122,7 +122,7 @@ def check_disk(cfg: JobConfig, config: dict) -> str:
     probe = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     free = shutil.disk_usage(probe).free
     if free < need:
-        raise PreflightError(f"{probe} has {free:,} bytes free; {count} more {plural(count, 'checkpoint').split(' ', 1)[1]} of {one:,} bytes ({basis}; "
+        raise PreflightError(f"{probe} has {free:,} bytes free; {plural(count, 'more checkpoint')} of {one:,} bytes ({basis}; "
                              f"save_total_limit={keep} + 1 written before rotation) need {need:,} with 10% margin. "
                              "Free space, lower save_total_limit, or set output_dir elsewhere")
     return f"disk: {free / 1e9:.1f} GB free at {probe}, {plural(count, 'checkpoint')} of {one / 1e6:.1f} MB need ~{need / 1e9:.2g} GB"

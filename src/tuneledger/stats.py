@@ -194,9 +194,9 @@ def write(prep: Prepared, cfg: JobConfig, gate_passed: bool = True, training: bo
 
 def run(args: argparse.Namespace) -> int:
     cfg = from_cli(args.items)
-    if cfg.gradient_accumulation_steps and "global_batch_size" not in cfg.model_fields_set:
-        # A LLaMA-Factory config gives micro-batch x accumulation, and the global batch is that times
-        # the world size: count the ranks as train will, or steps per epoch is off by that factor.
+    if cfg.batch_from_accumulation:
+        # Its global batch is a multiple of the world size: count the ranks as train will, or
+        # steps per epoch is off by that factor.
         from tuneledger.config import resolve
         from tuneledger.launch import processes
 
