@@ -47,7 +47,13 @@ class JobConfig(BaseModel):
     model_name_or_path: str
     # LLaMA-Factory's key. Accepted; code shipped with a model (auto_map) is refused either way (docs/security.md)
     trust_remote_code: bool = False
-    flash_attn: Literal["auto", "sdpa", "fa2", "eager"] = "auto"  # LLaMA-Factory's "disabled" reads as eager
+    # LLaMA-Factory's key ("disabled" reads as eager), plus varlen and flex. auto: packed rows get a
+    # varlen kernel (flash-attn, else torch's own), else flex attention; padded rows SDPA (speed.py)
+    flash_attn: Literal["auto", "sdpa", "fa2", "varlen", "flex", "eager"] = "auto"
+    # -- speed levers (speed.py; None: on where it applies and is exact, the ledger says which ran)
+    enable_liger_kernel: bool | None = None  # LLaMA-Factory's key: Liger's fused RMSNorm, RoPE, SwiGLU, linear+CE
+    fused_lora: bool | None = None  # base projection + LoRA in one function (needs lora_dropout 0)
+    torch_compile: bool = False  # regional torch.compile of the decoder layers
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

@@ -374,7 +374,10 @@ def print_table(led: dict) -> None:
         r = rows[0]
         print(f"total steps {r['eta']['total_steps']:,} ({plural(r['eta']['checkpoints'], 'checkpoint')} of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
               f"steady state after {led['warmup_steps']} warm-up steps; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
-              f"({r['model']['trainable_pct']}%); attention {r['model']['attention']}")
+              f"({r['model']['trainable_pct']}%)")
+        for preset_row in rows:
+            levers = preset_row["model"].get("levers") or {}
+            print(f"levers {preset_row['preset']}: " + "; ".join(f"{k} {v}" for k, v in levers.items()))
     verdicts = led.get("verdicts") or {}
     if len(verdicts) > 1 and len(set(verdicts.values())) == 1:  # a CPU run: the same "unknown" for each
         print(f"VERDICT {', '.join(verdicts)}: {next(iter(verdicts.values()))}")

@@ -38,7 +38,8 @@ def summarize_run(result: dict, warmup: int) -> dict:
     """Steady-state numbers of one dry-run result (trainer.fit's return value).
 
     Returns s_per_step (the median, s) with step_spread and every step's duration, tokens_per_s
-    (aggregate), tokens_per_s_per_gpu, split (mean seconds per part and method), memory per rank
+    (aggregate, at the median step), tokens_per_s_mean (over the window's wall time: the mean step),
+    step_losses (every step's loss, mean over ranks), tokens_per_s_per_gpu, split (mean seconds per part and method), memory per rank
     (MiB), steps measured and excluded, and the run's steps they replayed.
     Raises ValueError when there are not more steps than warm-up steps.
     """
@@ -101,6 +102,10 @@ def summarize_run(result: dict, warmup: int) -> dict:
         "alloc_retries_by_step": [s.get("alloc_retries") for s in steps] if steps[0].get("alloc_retries") is not None else None,
         "tokens_per_s": tokens / len(steady) / s_median, "tokens_per_s_per_gpu": tokens / len(steady) / s_median / world,
         "tokens_per_step": tokens / len(steady),
+        # What a whole run pays: the window's tokens over its wall time (gaps and slow steps included).
+        "tokens_per_s_mean": tokens / window if window > 0 else None,
+        # Each step's loss, the mean over ranks (as the Trainer logs it), warm-up steps included.
+        "step_losses": [round(sum(x) / len(x), 5) for x in zip(*[r.get("step_losses") or [] for r in result["ranks"]])],
         "split": parts,
         "memory_mib": [{"rank": r["rank"], "gpu": r["gpu_name"], "peak_allocated": r["peak_allocated_mib"],
                         "peak_reserved": r["peak_reserved_mib"], "peak_rss": r.get("peak_rss_mib")} for r in result["ranks"]],

@@ -116,8 +116,6 @@ ONLY: dict[str, Only] = {
                       "streaming is not supported: the data is tokenized into a cache first (`make stats`)", "false"),
     "use_unsloth": Only(lambda v: not v, "plain transformers + peft", "use_unsloth is not supported; remove it "
                         "(make dryrun shows where the step's time goes)", "false"),
-    "enable_liger_kernel": Only(lambda v: not v, "plain transformers + peft",
-                                "enable_liger_kernel is not supported; remove it", "false"),
     "use_dora": Only(lambda v: not v, "plain LoRA", "use_dora is not supported: tuneledger trains plain LoRA", "false"),
     "use_rslora": Only(lambda v: not v, "plain LoRA scaling (alpha / rank)",
                        "use_rslora is not supported: set lora_alpha for the scaling you want", "false"),
@@ -155,7 +153,7 @@ FAMILIES: list[tuple[tuple[str, ...], str]] = [
     (("image_", "video_", "audio_", "media_dir", "crop_to_patches", "use_audio_in_video"),
      "a multimodal setting: tuneledger trains text-only models"),
     (("swanlab_", "use_swanlab"), "use report_to: tensorboard"),
-    (("profiler_", "enable_torch_profiler", "torch_compile"), "`make dryrun` measures where the step's time goes"),
+    (("profiler_", "enable_torch_profiler"), "`make dryrun` measures where the step's time goes"),
     (("ray_", "use_mca", "megatron_", "use_megatron", "hyper_parallel", "use_hyper_parallel"),
      "tuneledger launches DDP with torchrun itself (make train NPROC=N)"),
     (("hub_", "push_to_hub"), "upload runs/<run>/export yourself (huggingface-cli upload)"),

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tuneledger import speed
+
 # Model types and architectures that are not text-only causal LMs. Checked on config.json before
 # any weights are fetched: a VL checkpoint is ~1 GB bigger and trains a vision tower we never use.
 VISION_MODEL_TYPES = ("vl", "vision", "llava", "idefics", "paligemma", "mllama", "pixtral", "qwen2_audio", "omni")
@@ -227,19 +229,12 @@ def fix_end_of_turn(tok: Any) -> None:
         tok.eos_token = "<|im_end|>"
 
 
-def attention_backend(requested: str, device_type: str) -> str:
-    """The attention implementation to ask transformers for; packing works with both on 5.x."""
-    if requested == "eager":
-        return "eager"
-    if requested in ("auto", "fa2") and device_type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            if requested == "fa2":
-                print("flash_attn: flash-attn is not installed; falling back to sdpa", flush=True)
-    return "sdpa"
+def _lever(apply: Any, *args: Any) -> str:
+    """Run one speed lever; a lever asked for (True) that cannot run is a PreflightError."""
+    try:
+        return apply(*args)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
 
 
 def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
@@ -247,7 +242,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     initialised from `cfg.seed`.
 
     Returns (peft model, info) where info has trainable/total parameters, attention backend,
-    dtype (bf16 on CUDA when `cfg.bf16`, else fp32) and whether the model is synthetic. Raises PreflightError for 4-bit without CUDA.
+    the speed levers that ran (speed.py, one line each), dtype (bf16 on CUDA when `cfg.bf16`, else fp32) and whether the model is synthetic. Raises PreflightError for 4-bit without CUDA.
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -257,7 +252,10 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # bf16 is the GPU's compute type. CPUs without native bf16 (no AVX512-BF16/AMX) emulate it: a
     # bf16 matmul ran at 1.6 GFLOP/s against fp32's 64 on CI's 2-core EPYC, so a CPU run is fp32.
     dtype = torch.bfloat16 if cfg.bf16 and device.type == "cuda" else torch.float32
-    attn = attention_backend(cfg.flash_attn, device.type)
+    try:
+        attn, attn_why = speed.pick_attention(cfg.flash_attn, cfg.packing, device.type)
+    except ValueError as e:
+        raise PreflightError(f"flash_attn={cfg.flash_attn}: {e}") from None
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
     if cfg.quantization_bit == 4:
         if device.type != "cuda":
@@ -271,6 +269,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
     model.config.use_cache = False
+    levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, cfg.enable_liger_kernel, device.type)}
 
     for p in model.parameters():
         p.requires_grad_(False)
@@ -289,11 +288,14 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
+    levers["fused_lora"] = _lever(speed.fuse_lora, model, cfg.fused_lora)
+    levers["compile"] = _lever(speed.compile_layers, model, cfg.torch_compile, device.type)
+    levers["lora_dropout"] = cfg.lora_dropout
     trainable, total = model.get_nb_trainable_parameters()
     info = {
         "trainable_params": int(trainable), "total_params": int(total),
         "trainable_pct": round(100 * trainable / total, 2),
-        "attention": attn, "dtype": str(dtype).replace("torch.", ""),
+        "attention": attn, "levers": levers, "dtype": str(dtype).replace("torch.", ""),
         "quantization": f"{cfg.quantization_type} 4-bit, double quant {cfg.double_quantization}" if cfg.quantization_bit else "none",
         "synthetic": bool(getattr(model.config, "tuneledger_synthetic", None)),
         # N of the MFU formula: every weight a token passes through in matmuls (lm_head included,

@@ -145,6 +145,8 @@ class LedgerTrainer(Trainer):
         self.replay = False  # dry-run: train_dataset is already in the real run's order (replay_order)
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
         self.step_tokens: list[torch.Tensor] = []  # running count at each step end (no sync)
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.args.device)
+        self.step_losses: list[torch.Tensor] = []  # each step's loss on this rank (no sync)
         self._log_tokens, self._log_time, self._log_step = 0, time.perf_counter(), 0
         self.add_callback(TokenSnapshot(self))
 
@@ -158,7 +160,11 @@ class LedgerTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # The micro-batch losses of a step add up to the step's loss, as the Trainer logs it
+        # (each is scaled by the step's token count or the accumulation); kept on the device.
+        self.loss_sum += loss.detach().float()
+        return loss
 
     # Optimizer, scheduler and RNG state: loaded so that no code in them can run (safeload.py).
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -226,6 +232,8 @@ class TokenSnapshot(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         self.trainer.step_tokens.append(self.trainer.tokens.clone())
+        self.trainer.step_losses.append(self.trainer.loss_sum.clone())
+        self.trainer.loss_sum.zero_()
 
 
 # What a checkpoint's training depends on: resuming with another value of any of these would
@@ -491,17 +499,22 @@ class CrashAfterStep(TrainerCallback):
 
 
 # ------------------------------------------------------------------------------------ pieces
-def make_collator(cfg: JobConfig, tokenizer: Any) -> Any:
+def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> Any:
     """Padded micro-batches (DataCollatorForSeq2Seq), or padding-free packing of whole samples.
 
     Packing (DataCollatorWithFlattening) concatenates the micro-batch into one row with
-    `position_ids` restarting at 0 per sample and no attention mask; transformers 5 detects the
-    boundaries from position_ids (SDPA and flash_attention_2), so no sample attends to another.
+    `position_ids` restarting at 0 per sample and no attention mask, so no sample attends to
+    another: varlen kernels (`attention` flash_attention_2 or speed.VARLEN) take the sample bounds
+    from the collator (`cu_seq_lens_q`, `max_length_q`: no device sync to find them); SDPA and
+    flex derive them from position_ids.
     """
     if cfg.packing:
         from transformers import DataCollatorWithFlattening
 
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+        from tuneledger.speed import VARLEN
+
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100,
+                                          return_flash_attn_kwargs=attention in ("flash_attention_2", VARLEN))
     from transformers import DataCollatorForSeq2Seq
 
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
@@ -724,7 +737,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     timer = StepTimer(clock, device)
     args = training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True), evaluate=eval_ds is not None)
     trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
-                            data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer,
+                            data_collator=make_collator(cfg, tokenizer, info["attention"]), processing_class=tokenizer,
                             callbacks=[timer, *([stopper] if stopper else []), guard, seal],
                             n_params=info["total_params"])
     if mode == "train":  # not in a dry-run: a log is a host sync, and would land inside the measured window
@@ -767,6 +780,10 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         os._exit(75)
     wall = time.perf_counter() - wall0
     timeline["train_returned"] = time.time()
+    if cfg.torch_compile:
+        from tuneledger.speed import compile_stats
+
+        info["levers"]["compile_stats"] = compile_stats()
     t_eval = time.perf_counter()
     eval_timing = time_eval(trainer, eval_ds, cfg) if mode == "dryrun" and eval_ds is not None else None
     # dry-run only (its ETA adds the run's evaluations as their own part): not part of the finish
@@ -774,6 +791,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
 
     steps = timer.summary()
     tokens = [int(t) for t in torch.stack(trainer.step_tokens).tolist()] if trainer.step_tokens else []
+    step_losses = [round(x, 5) for x in torch.stack(trainer.step_losses).tolist()] if trainer.step_losses else []
     local = {
         "rank": rank, "host": host_name(), "device": str(device),
         "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -783,7 +801,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "memory_cap_gib": cfg.memory_cap_gib,
         # The process's peak resident memory (MiB; Linux reports KiB): the CPU runs' memory figure.
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "steps": steps, "cum_tokens": tokens, "eval_batches": eval_counter.batches,
+        "steps": steps, "cum_tokens": tokens, "eval_batches": eval_counter.batches, "step_losses": step_losses,
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = [None] * world

@@ -1,0 +1,292 @@
+"""The speed levers, in one place: attention for packed rows, Liger Kernel, the fused LoRA
+projection and regional compilation. Each is a config key with a default that
+../shared/notes/h200-profile.md and bench/results measured; `levers()` says which ran, for the
+ledger, so that every number says how it was made.
+
+- Attention (`flash_attn`). A packed micro-batch is one row of ~5k tokens. transformers' SDPA
+  path attends over the whole row under a dense block-diagonal mask (391 ms of a 1.39 s step on an
+  H200, 12.6x Unsloth's attention). `auto` picks, for packed rows: flash-attn 2's varlen kernel
+  where flash-attn is installed (the pinned image), else torch's own varlen flash kernel
+  (`torch.nn.attention.varlen`, torch >= 2.9), else flex attention with a document mask (compiles
+  on first use), else SDPA with a warning. Padded rows take SDPA (per-sequence kernels).
+- Liger Kernel (`enable_liger_kernel`): fused RMSNorm, RoPE, SwiGLU and linear + cross-entropy
+  (the logits are never materialised: 68 -> 38 GiB on preset D).
+- Fused LoRA (`fused_lora`): base projection (NF4 dequantised, or dense) + LoRA in one autograd
+  function; the LoRA term is added by the second GEMM's epilogue (addmm alpha=scale), so the
+  scale, add and cast passes over every projection's output (87 ms per D step) go away.
+- Regional compile (`torch_compile`): each decoder layer compiled once (the layers share one
+  graph), to cut the launches and Python between kernels that leave the GPU idle.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+
+VARLEN = "tuneledger_varlen"  # our attention function's name in transformers' AttentionInterface
+
+
+def warn(msg: str) -> None:
+    print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ attention
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_flex() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pick_attention(requested: str, packing: bool, device_type: str) -> tuple[str, str]:
+    """(attn_implementation for transformers, why) for `flash_attn` = auto|fa2|varlen|flex|sdpa|eager.
+
+    A packed row never pays the dense-mask SDPA path without a warning that says so. Raises
+    ValueError when an explicit choice cannot run here (fa2 without flash-attn, varlen or flex
+    without the torch that has them, or off CUDA).
+    """
+    cuda = device_type == "cuda"
+    if requested == "eager":
+        return "eager", "eager (asked for)"
+    if requested == "fa2" or (requested == "auto" and cuda and _has_flash_attn()):
+        if not _has_flash_attn() or not cuda:
+            raise ValueError("flash_attn=fa2 needs flash-attn and a CUDA GPU (the pinned image has both); "
+                             "use flash_attn=auto")
+        return "flash_attention_2", "flash-attn 2 (varlen kernel for packed rows)"
+    if requested == "varlen" or (requested == "auto" and cuda and packing and _torch_varlen()):
+        register_varlen()
+        if not cuda:
+            return VARLEN, "varlen attention, CPU reference kernel (one SDPA per packed sample; for tests)"
+        if not _torch_varlen():
+            raise ValueError(f"flash_attn=varlen needs torch >= 2.9 (torch.nn.attention.varlen); this is torch "
+                             f"{torch.__version__}. Use flash_attn=auto")
+        return VARLEN, "torch varlen flash attention (packed samples attend only to themselves, no mask)"
+    if requested == "flex" or (requested == "auto" and cuda and packing and _has_flex()):
+        if not _has_flex() or not cuda:
+            raise ValueError("flash_attn=flex needs torch >= 2.5 with flex_attention and a CUDA GPU; use flash_attn=auto")
+        return "flex_attention", "flex attention with a document mask (compiles on first use: start-up, not steps)"
+    if packing and cuda:
+        warn("packing with SDPA: each packed row attends under a dense block-diagonal mask (12x the attention "
+             "time of per-sample kernels on an H200). Install flash-attn (the pinned image has it) or torch >= 2.9, "
+             "or set packing=false")
+        return "sdpa", "sdpa with a dense packed mask (slow: no varlen kernel here)"
+    return "sdpa", "sdpa" + (" (packed rows under a block-diagonal mask)" if packing else "")
+
+
+def _reference_varlen(q, k, v, cu, max_len, scale):
+    """One causal SDPA per packed sample: the CPU stand-in for the varlen kernel (tests)."""
+    out = torch.empty_like(q)
+    rep = q.shape[1] // k.shape[1]
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def _varlen_kernel(q, k, v, cu, max_len: int, scale: float | None):
+    """[T, Hq, D] causal attention within each sample of cu (int32 [N+1] offsets)."""
+    if q.device.type != "cuda":
+        return _reference_varlen(q, k, v, cu, max_len, scale)
+    fn = _torch_varlen()
+    params = inspect.signature(fn).parameters
+    kw: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "scale" in params:
+        kw["scale"] = scale
+    return fn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers attention function for packed rows: query [1, Hq, T, D], key/value
+    [1, Hkv, T, D] -> ([1, T, Hq, D], None). Sample bounds come from the collator's
+    `cu_seq_lens_q` / `max_length_q` (DataCollatorWithFlattening(return_flash_attn_kwargs=True)),
+    so no sync is needed to find them. Without them (a padded batch) it is SDPA."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout:
+        raise ValueError("varlen attention has no attention dropout; the model's attention_dropout must be 0")
+    q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))
+    out = _varlen_kernel(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
+    return out.unsqueeze(0), None
+
+
+def register_varlen() -> None:
+    """Make VARLEN a valid attn_implementation. It has no mask function on purpose: transformers
+    then builds no mask and skips its packed-row detection (a host sync on every forward)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+
+
+# --------------------------------------------------------------------------------------- Liger
+def apply_liger(model: Any, wanted: bool | None, device_type: str) -> str:
+    """Patch `model` (before LoRA wraps it) with Liger's kernels for its architecture. `wanted`:
+    True (required: raises ValueError when it cannot), None (where it can: CUDA, liger-kernel
+    importable, the architecture covered) or False. Returns the ledger's line."""
+    if wanted is False:
+        return "off"
+    why = None
+    if device_type != "cuda":
+        why = "needs a CUDA GPU (Triton kernels)"
+    else:
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        except ImportError as e:
+            why = f"liger-kernel does not import ({e})"
+        else:
+            if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+                why = f"no Liger kernels for model_type {model.config.model_type!r}"
+    if why:
+        if wanted:
+            raise ValueError(f"enable_liger_kernel: true, but Liger {why}")
+        return f"off ({why})"
+    _apply_liger_kernel_to_instance(model=model)
+    return "on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)"
+
+
+# ---------------------------------------------------------------------------------- fused LoRA
+def _dequantize(base: Any) -> torch.Tensor:
+    """The base projection's weight [out, in] in its compute dtype (NF4/FP4 dequantised)."""
+    w = base.weight
+    state = getattr(w, "quant_state", None)
+    if state is None:
+        return w
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(w, state)
+
+
+class LoraProjection(torch.autograd.Function):
+    """y = x W^T + b + s (x A^T) B^T for a frozen base W (dense or 4-bit) and LoRA A [r, in], B [out, r].
+
+    Shapes: x [T, in] -> y [T, out]. The compute dtype is W's (bf16 on a GPU); A and B stay fp32
+    masters and get fp32 grads. Backward: dx = dy W + s (dy B) A, dA = s (dy B)^T x,
+    dB = s dy^T (x A^T); W is dequantised again rather than kept (what bitsandbytes does too).
+    Saved: x and x A^T, as peft saves for the same LoRA.
+    """
+
+    @staticmethod
+    def forward(ctx, x, A, B, bias, base, scale):
+        w = _dequantize(base)
+        dt = w.dtype
+        x = x.to(dt)
+        a = x @ A.to(dt).t()
+        y = torch.addmm(bias.to(dt), x, w.t()) if bias is not None else x @ w.t()
+        y.addmm_(a, B.to(dt).t(), alpha=scale)
+        ctx.save_for_backward(x, a, A, B)
+        ctx.base, ctx.scale, ctx.has_bias = base, scale, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, a, A, B = ctx.saved_tensors
+        s, dt = ctx.scale, x.dtype
+        dy = dy.to(dt)
+        dyb = dy @ B.to(dt)
+        dx = dy @ _dequantize(ctx.base)
+        dx.addmm_(dyb, A.to(dt), alpha=s)
+        dA = (dyb.t() @ x).mul_(s).to(A.dtype)
+        dB = (dy.t() @ a).mul_(s).to(B.dtype)
+        return dx, dA, dB, None, None, None
+
+
+def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    name = self.active_adapters[0]
+    shape = x.shape
+    base = self.get_base_layer()
+    bias = base.bias if getattr(base, "bias", None) is not None else None
+    y = LoraProjection.apply(x.reshape(-1, shape[-1]), self.lora_A[name].weight, self.lora_B[name].weight,
+                             bias, base, self.scaling[name])
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def fuse_lora(model: Any, wanted: bool | None) -> str:
+    """Route every LoRA projection of a peft model through LoraProjection. `wanted`: True, None
+    (where it applies) or False. Applies only where the function is exact: one active adapter,
+    no dropout (dropout needs the masked input kept for dA), no DoRA, not merged, a plain or
+    4-bit bitsandbytes base. Returns the ledger's line; raises ValueError when True cannot apply."""
+    if wanted is False:
+        return "off"
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    why = None
+    if not layers:
+        why = "no LoRA layers"
+    for m in layers:
+        name = m.active_adapters[0] if len(m.active_adapters) == 1 else None
+        if name is None:
+            why = "more than one active adapter"
+        elif not isinstance(m.lora_dropout[name], torch.nn.Identity):
+            why = "lora_dropout > 0 (peft's path applies it)"
+        elif m.use_dora.get(name) or m.merged or getattr(m, "lora_bias", {}).get(name):
+            why = "DoRA, a LoRA bias or a merged adapter"
+        elif type(m.get_base_layer()).__name__ not in ("Linear", "Linear4bit"):
+            why = f"base layer {type(m.get_base_layer()).__name__}"
+        if why:
+            break
+    if why:
+        if wanted:
+            raise ValueError(f"fused_lora: true cannot apply: {why}")
+        return f"off ({why})"
+    import types
+
+    for m in layers:
+        m.forward = types.MethodType(_fused_forward, m)
+    return f"on ({len(layers)} projections)"
+
+
+# ------------------------------------------------------------------------------------- compile
+def compile_layers(model: Any, wanted: bool | None, device_type: str) -> str:
+    """torch.compile each decoder layer (regional compilation: the layers share one compiled
+    graph, so it compiles once, not 28 times). `wanted`: True, None (auto: off until measured to
+    pay; see docs/measurements.md) or False. Returns the ledger's line."""
+    if not wanted:
+        return "off"
+    layers = None
+    for m in model.modules():
+        if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
+            layers = m.layers
+            break
+    if layers is None:
+        raise ValueError("torch_compile: no decoder layers (a `layers` ModuleList) found")
+    for layer in layers:
+        layer.compile(dynamic=None)
+    return f"on ({len(layers)} decoder layers, regional)"
+
+
+def compile_stats() -> dict:
+    """Dynamo's counters (graphs compiled, graph breaks, recompiles), for the ledger."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {"graphs": sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0)}

@@ -1,0 +1,141 @@
+"""The speed levers (speed.py) compute the same function as the plain path.
+
+Packing isolation holds for every attention backend that runs here: a packed sample's logits
+equal the logits of that sample alone. On a CPU: SDPA and the varlen plumbing (the collator's
+sample bounds through our attention function, with a per-sample reference kernel); on a GPU
+(bench/h200_bench.sh runs this file there) also torch's varlen flash kernel, flex and flash-attn.
+The fused LoRA projection equals peft's LoRA in value and gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuneledger import speed
+from tuneledger.config import load_config
+from tuneledger.data import encode
+from tuneledger.trainer import make_collator
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+# Logit error against the sample run alone, relative to the logits' scale: fp32 rounding on a CPU;
+# on a GPU, bf16 kernels that sum in another order (measured there: bench/results, test log).
+TOL = 2e-2 if CUDA else 1e-5
+
+CONVS = [
+    [{"role": "user", "content": "short"}, {"role": "assistant", "content": "yes"}],
+    [{"role": "user", "content": "a longer question " * 12}, {"role": "assistant", "content": "a longer answer " * 9}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "again"},
+     {"role": "assistant", "content": "twice as long"}],
+]
+
+
+def backends() -> list:
+    out = [pytest.param("sdpa", id="sdpa"), pytest.param("varlen", id="varlen")]
+    out.append(pytest.param("flex", id="flex", marks=pytest.mark.skipif(not (CUDA and speed._has_flex()),
+                                                                        reason="flex attention: needs CUDA here")))
+    out.append(pytest.param("fa2", id="fa2", marks=pytest.mark.skipif(not (CUDA and speed._has_flash_attn()),
+                                                                      reason="flash-attn is not installed")))
+    return out
+
+
+def _model(tiny_model, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    impl, _ = speed.pick_attention(attn, True, DEVICE)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=DTYPE, attn_implementation=impl).to(DEVICE).eval()
+    model.config.use_cache = False
+    return model, impl
+
+
+@pytest.mark.parametrize("attn", backends())
+def test_packed_sample_sees_only_itself(tiny_model, qwen_tokenizer, attn):
+    torch.manual_seed(0)
+    model, impl = _model(tiny_model, attn)
+    feats = [{k: v for k, v in encode(c, qwen_tokenizer, 4096).items() if k in ("input_ids", "labels")} for c in CONVS]
+    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "packing": True})
+    packed = make_collator(cfg, qwen_tokenizer, impl)([dict(f) for f in feats])
+    if impl in (speed.VARLEN, "flash_attention_2"):
+        assert packed["cu_seq_lens_q"].tolist()[-1] == packed["input_ids"].shape[1]
+    inputs = {k: (v.to(DEVICE) if torch.is_tensor(v) else v) for k, v in packed.items() if k != "labels"}
+    with torch.no_grad():
+        joined = model(**inputs).logits[0].float()
+        alone = [model(input_ids=torch.tensor([f["input_ids"]], device=DEVICE)).logits[0].float() for f in feats]
+        # The negative control: the same row with one position run (no sample bounds) mixes samples.
+        mixed = model(input_ids=inputs["input_ids"]).logits[0].float()
+    scale = torch.cat(alone).abs().max()
+    start, errors = 0, []
+    for a in alone:
+        errors.append(((joined[start:start + len(a)] - a).abs().max() / scale).item())
+        start += len(a)
+    assert max(errors) < TOL, errors
+    later = slice(len(alone[0]), None)  # the first sample has nothing before it to mix with
+    leak = ((mixed[later] - joined[later]).abs().max() / scale).item()
+    assert leak > 10 * TOL, f"the control did not mix samples ({leak:.2e}): the test would not see a leak"
+
+
+def _lora_model(tiny_model, fused: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.config.use_cache = False
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # peft starts B at zero, which would hide a wrong B gradient or scale
+            p.data.normal_(0, 0.05)
+    line = speed.fuse_lora(model, True if fused else False)
+    return model, line
+
+
+def test_fused_lora_equals_peft(tiny_model, qwen_tokenizer):
+    ids = torch.tensor([encode(CONVS[1], qwen_tokenizer, 4096)["input_ids"]])
+    out = {}
+    for fused in (False, True):
+        model, line = _lora_model(tiny_model, fused)
+        assert line.startswith("on") == fused, line
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[fused] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    (l0, g0), (l1, g1) = out[False], out[True]
+    assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
+    assert g0.keys() == g1.keys() and len(g0) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    for n in g0:
+        rel = ((g0[n] - g1[n]).norm() / g0[n].norm()).item()
+        assert rel < 1e-4, (n, rel)
+
+
+def test_fused_lora_refuses_dropout(tiny_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                           LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert speed.fuse_lora(model, None) == "off (lora_dropout > 0 (peft's path applies it))"
+    with pytest.raises(ValueError, match="lora_dropout"):
+        speed.fuse_lora(model, True)
+
+
+def test_pick_attention_says_why():
+    assert speed.pick_attention("auto", False, "cpu") == ("sdpa", "sdpa")
+    impl, why = speed.pick_attention("auto", True, "cpu")
+    assert impl == "sdpa" and "block-diagonal" in why
+    with pytest.raises(ValueError, match="flash-attn"):
+        speed.pick_attention("fa2", True, "cpu")
+
+
+def test_load_model_records_levers(tiny_model):
+    from tuneledger.model import load_model
+
+    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4,
+                             "packing": True, "flash_attn": "varlen", "lora_dropout": 0.0})
+    _, info = load_model(cfg, "cpu")
+    levers = info["levers"]
+    assert info["attention"] == speed.VARLEN and "reference" in levers["attention"]
+    assert levers["liger"].startswith("off (needs a CUDA GPU")
+    assert levers["fused_lora"] == "on (14 projections)" and levers["compile"] == "off"
