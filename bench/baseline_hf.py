@@ -14,7 +14,9 @@ padding-free with position_ids (D), so both see the same workload.
 
 Presets run one after another in one process group (a fresh model each), to spare the start-up.
 
-Reports steady-state s/step and real (non-pad) tokens/s over `--steps` steps after `--warmup`.
+Reports steady-state s/step and real (non-pad) tokens/s over `--steps` steps after `--warmup`: on the
+mean step (the window's wall time, `tokens_per_s`) and on the median step (`tokens_per_s_median`),
+and every step's loss (micro-batch means / accumulation, summed).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--lora-r", type=int, default=64)
     ap.add_argument("--lora-alpha", type=int, default=128)
+    ap.add_argument("--lora-dropout", type=float, default=0.05)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -95,7 +98,7 @@ def run_preset(a, preset: str, local: int) -> dict:
     model.config.use_cache = False
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=0.05,
+    model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
                                              target_modules="all-linear", task_type="CAUSAL_LM"))
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local], find_unused_parameters=False)
     # from_pretrained returns eval mode: without train() gradient checkpointing and LoRA dropout are
@@ -108,11 +111,15 @@ def run_preset(a, preset: str, local: int) -> dict:
     tokens = torch.zeros((), dtype=torch.int64, device="cuda")
     torch.cuda.reset_peak_memory_stats()
     t0 = None
+    marks, losses = [], []
     for step in range(a.steps + a.warmup):
         if step == a.warmup:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             tokens.zero_()
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        step_loss = torch.zeros((), device="cuda")
         for m in range(accum):
             batch, n = next(it)
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
@@ -121,17 +128,25 @@ def run_preset(a, preset: str, local: int) -> dict:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = model(**batch).loss / accum
                 loss.backward()
+                step_loss += loss.detach().float()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    marks.append(torch.cuda.Event(enable_timing=True))
+    marks[-1].record()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    durations = sorted(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(a.warmup, len(marks) - 1))
     dist.all_reduce(tokens)
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     out = {"preset": preset, "world_size": world, "micro_batch": micro, "accum": accum, "gc": gc, "packed": packed,
            "steps": a.steps, "warmup": a.warmup, "s_per_step": wall / a.steps,
-           "tokens_per_s": tokens.item() / wall, "tokens_per_s_per_gpu": tokens.item() / wall / world,
+           "s_per_step_median": durations[len(durations) // 2], "lora_dropout": a.lora_dropout,
+           # mean step: the window's wall time; median step: the window's tokens per step at the median step
+           "tokens_per_s": tokens.item() / wall, "tokens_per_s_median": tokens.item() / a.steps / durations[len(durations) // 2],
+           "first_losses": [round(x, 4) for x in torch.stack(losses).tolist()], "tokens_per_s_per_gpu": tokens.item() / wall / world,
            "peak_allocated_mib": round(peak.item()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "lora_r": a.lora_r}
     if rank == 0:

@@ -229,6 +229,10 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NCCL_DEBUG", "WARN")
     env.setdefault("TORCH_WARM_POOL", "0")  # no compile-worker pool per rank (see cli.main)
+    if "PYTORCH_ALLOC_CONF" not in env:
+        # Packed and padded micro-batches vary in shape: the caching allocator fragments (preset D
+        # held 69 GiB allocated in 138 GiB reserved) and then frees and retries, a stall of seconds.
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, nproc))))
     env["PYTHONUNBUFFERED"] = "1"
     if job.get("cpu"):

@@ -276,6 +276,11 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str) -> str:
             break
     if layers is None:
         raise ValueError("torch_compile: no decoder layers (a `layers` ModuleList) found")
+    from torch import _dynamo
+
+    # DDP's graph splitting (at bucket bounds) exists for whole-model graphs; one layer's graph is
+    # small, and the splitter refuses the higher-order op our traced LoraProjection becomes.
+    _dynamo.config.optimize_ddp = False
     for layer in layers:
         layer.compile(dynamic=None)
     return f"on ({len(layers)} decoder layers, regional)"

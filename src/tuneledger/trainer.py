@@ -486,6 +486,21 @@ def split_eval(ds: Any, cfg: JobConfig) -> tuple[Any, Any]:
     return parts["train"], parts["test"]
 
 
+class SyncDebug(TrainerCallback):
+    """Diagnosis: TUNELEDGER_SYNC_DEBUG=N warns (with the stack) at every host-device sync during
+    step N, so a step's needless syncs can be found (torch.cuda.set_sync_debug_mode)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step + 1 == self.step:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_step_end(self, args, state, control, **kw):
+        torch.cuda.set_sync_debug_mode(0)
+
+
 class CrashAfterStep(TrainerCallback):
     """Fault injection for the resume test: TUNELEDGER_CRASH_AFTER_STEP=N kills the process
     (os._exit, no cleanup, like a machine shutdown) once step N and its checkpoint are done."""
@@ -756,6 +771,8 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         positions = replay_order(trainer, ds, job["total_steps"], job["steps_per_epoch"], cfg.dryrun_warmup_steps,
                                  cfg.dryrun_steps - cfg.dryrun_warmup_steps)
         timeline["order_s"] = time.perf_counter() - t_order  # dry-run only: not part of the ETA's set-up
+    if os.environ.get("TUNELEDGER_SYNC_DEBUG") and cuda:
+        trainer.add_callback(SyncDebug(int(os.environ["TUNELEDGER_SYNC_DEBUG"])))
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:

@@ -1,0 +1,126 @@
+"""Unsloth as the speed peer, on the same GPU, model, data and LoRA settings as tuneledger's presets.
+
+Unsloth is imported first (it patches transformers and peft globally), so this runs in a process of
+its own. The model loads with FastLanguageModel in 4 bit (NF4, double quant, bf16 compute), gets
+LoRA r/alpha on all seven projections with dropout 0 (Unsloth's fast path), and trains by a hand
+loop like bench/baseline_hf.py's: padded micro-batches of the same tokenized records in the same
+seeded order (Unsloth pads; it has no padding-free packing in this loop), accumulation to the global
+batch, clipping at 1.0, fused AdamW. Gradient checkpointing, where the preset has it, is Unsloth's
+own ("unsloth": offloaded). Time: CUDA events at step bounds; tokens are real (non-pad) tokens.
+
+    UNSLOTH_DISABLE_STATISTICS=1 HF_HUB_OFFLINE=1 PYTHONPATH=.usite:$PYTHONPATH \
+        python bench/peer_unsloth.py --model DIR --data CACHE_DIR --preset D C --out unsloth.json
+
+Presets (micro-batch, checkpointing): A (1, on), B (2, on), C (2, off), D (8, off, padded here).
+Each row: tokens/s on the mean step (the window's wall time) and on the median step, peak allocated
+memory, every step's loss (micro-batch means / accumulation, summed).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import unsloth  # noqa: E402,F401  (before transformers and peft)
+from unsloth import FastLanguageModel  # noqa: E402
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline_hf import batches  # noqa: E402
+
+PRESETS = {"A": (1, True), "B": (2, True), "C": (2, False), "D": (8, False)}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def run_preset(a, preset: str) -> dict:
+    import datasets
+
+    micro, gc = PRESETS[preset]
+    accum = a.global_batch // micro
+    t_load = time.perf_counter()
+    model, tok = FastLanguageModel.from_pretrained(model_name=a.model, max_seq_length=a.cutoff, dtype=torch.bfloat16,
+                                                   load_in_4bit=True, local_files_only=True)
+    model = FastLanguageModel.get_peft_model(model, r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=0.0,
+                                             target_modules=TARGETS, bias="none",
+                                             use_gradient_checkpointing="unsloth" if gc else False, random_state=42)
+    FastLanguageModel.for_training(model)
+    load_s = time.perf_counter() - t_load
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    ds = datasets.load_from_disk(a.data).select_columns(["input_ids", "labels"])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    it = batches(ds, micro, False, 0, 1, 42, pad)
+    tokens = torch.zeros((), dtype=torch.int64, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    marks, losses, t0 = [], [], None
+    for step in range(a.steps + a.warmup):
+        if step == a.warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tokens.zero_()
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        step_loss = torch.zeros((), device="cuda")
+        for _ in range(accum):
+            batch, n = next(it)
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+            tokens += n
+            loss = model(**batch).loss / accum
+            loss.backward()
+            step_loss += loss.detach().float()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    marks.append(torch.cuda.Event(enable_timing=True))
+    marks[-1].record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    durations = sorted(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(a.warmup, len(marks) - 1))
+    median = durations[len(durations) // 2]
+    out = {"engine": "unsloth", "engine_version": getattr(unsloth, "__version__", "?"), "preset": preset,
+           "micro_batch": micro, "accum": accum, "gc": gc, "packed": False, "lora_dropout": 0.0,
+           "steps": a.steps, "warmup": a.warmup, "s_per_step": wall / a.steps, "s_per_step_median": median,
+           "tokens_per_s": tokens.item() / wall, "tokens_per_s_median": tokens.item() / a.steps / median,
+           "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20), "load_s": round(load_s, 1),
+           "first_losses": [round(x, 4) for x in torch.stack(losses).tolist()], "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "lora_r": a.lora_r}
+    print(f"unsloth {preset}: {out['s_per_step']:.3f} s/step (mean), {out['tokens_per_s']:,.0f} tokens/s (mean step), "
+          f"{out['tokens_per_s_median']:,.0f} (median step), peak {out['peak_allocated_mib']:,} MiB", flush=True)
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True, help="a tuneledger tokenized-dataset cache directory")
+    ap.add_argument("--preset", required=True, nargs="+", choices=sorted(PRESETS))
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--cutoff", type=int, default=2048)
+    ap.add_argument("--lora-r", type=int, default=64)
+    ap.add_argument("--lora-alpha", type=int, default=128)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    rows = []
+    for p in a.preset:
+        try:
+            rows.append(run_preset(a, p))
+        except Exception as e:  # noqa: BLE001  one preset's failure is a row, not the end of the bench
+            print(f"unsloth {p}: FAILED {type(e).__name__}: {e}", flush=True)
+            rows.append({"engine": "unsloth", "preset": p, "error": f"{type(e).__name__}: {e}"})
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
