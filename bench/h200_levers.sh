@@ -31,15 +31,39 @@ stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 { nvidia-smi; ${PY:-python3} -c "import torch, transformers, peft, bitsandbytes, datasets, liger_kernel; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__)"; } >> "$LOG" 2>&1
 synth_model "$LOG"
-stamp "tests/test_speed.py on the GPU"
-timeout 120 ${PY:-python3} -m pytest -q -p no:cacheprovider tests/test_speed.py > /tmp/logs/test_speed_gpu.log 2>&1
-stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  stamp "tests/test_speed.py on the GPU"
+  timeout 120 ${PY:-python3} -m pytest -q -p no:cacheprovider tests/test_speed.py > /tmp/logs/test_speed_gpu.log 2>&1
+  stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
+fi
 JOB="$CONFIG model_name_or_path=$MODEL dataset=$DATASET cache_dir=/tmp/cache dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP"
 PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false lora_dropout=0"
 AUTO="lora_dropout=0"
 table=()
+DATA=""
+peer() {  # $1: unsloth | hf; the peers train on the tokenized cache a dry-run made (the same records)
+  DATA=$(ls -td /tmp/cache/*/ 2>/dev/null | head -1)
+  [ -n "$DATA" ] || { stamp "$1: no tokenized cache yet (run a dry-run first)"; return; }
+  local l; l=$(left); [ "$l" -lt 90 ] && { stamp "$1 skipped: $l s left"; return; }
+  if [ "$1" = unsloth ]; then
+    [ $l -gt 225 ] && l=225
+    stamp "unsloth peer: presets $UNSLOTH_PRESETS (at most $(( l - 25 )) s)"
+    PYTHONPATH=$PWD/.usite:/tmp/site timeout -k 10 $(( l - 25 )) python3 bench/peer_unsloth.py --model $MODEL --data "$DATA" \
+      --preset $UNSLOTH_PRESETS --steps $(( STEPS + 4 )) --warmup $(( WARMUP + 1 )) --out "$OUT/unsloth.json" > /tmp/logs/unsloth.log 2>&1
+    stamp "unsloth exit $?: $(grep '^unsloth ' /tmp/logs/unsloth.log | tr '\n' ' ')"
+  else
+    stamp "plain HF + peft + bitsandbytes: preset D, lora_dropout 0 (at most $(( l - 25 )) s)"
+    timeout -k 10 $(( l - 25 )) python3 -m torch.distributed.run --nproc-per-node 1 --master-port $((29600 + RANDOM % 1000)) \
+      bench/baseline_hf.py --model $MODEL --data "$DATA" --preset D --lora-dropout 0 --steps $STEPS --warmup $WARMUP \
+      --out "$OUT/hf.json" > /tmp/logs/hf.log 2>&1
+    stamp "hf exit $?: $(grep '^baseline ' /tmp/logs/hf.log)"
+  fi
+}
+UNSLOTH_PRESETS=${UNSLOTH_PRESETS:-D C}
 for r in $RUNS; do
   case $r in
+    unsloth|hf) peer $r; continue;;
+    Dcompile_nofuse) p=D; o="$AUTO torch_compile=true fused_lora=false";;
     Dplain) p=D; o="$PLAIN";; Dauto) p=D; o="$AUTO";; Dcompile) p=D; o="$AUTO torch_compile=true";;
     Ddrop) p=D; o="lora_dropout=0.05";; Cauto) p=C; o="$AUTO";; Ccompile) p=C; o="$AUTO torch_compile=true";;
     Cplain) p=C; o="$PLAIN";;
@@ -56,6 +80,6 @@ ${PY:-python3} bench/levers_table.py "$OUT/levers.md" "${table[@]}" > /dev/null 
 cat "$OUT/levers.md"
 grep -h -B2 -A6 "Warning: called a synchronizing" /tmp/logs/dryrun-Dauto.log 2>/dev/null | head -80 > /tmp/logs/syncs.log
 stamp "syncs warned in one D step: $(grep -c 'called a synchronizing' /tmp/logs/dryrun-Dauto.log 2>/dev/null)"
-cp "$LOG" /tmp/logs/test_speed_gpu.log "$OUT/"
+cp "$LOG" "$OUT/"; [ -f /tmp/logs/test_speed_gpu.log ] && cp /tmp/logs/test_speed_gpu.log "$OUT/"
 tar czf "$OUT/levers-runs.tgz" -C /tmp logs $(cd /tmp && ls -d run-*/dryrun.json run-*/dryrun.md 2>/dev/null)
 stamp done

@@ -269,7 +269,8 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
     model.config.use_cache = False
-    levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, cfg.enable_liger_kernel, device.type)}
+    levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, cfg.enable_liger_kernel, device.type,
+                                                                 cfg.torch_compile)}
 
     for p in model.parameters():
         p.requires_grad_(False)

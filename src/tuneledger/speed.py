@@ -144,10 +144,13 @@ def register_varlen() -> None:
 
 
 # --------------------------------------------------------------------------------------- Liger
-def apply_liger(model: Any, wanted: bool | None, device_type: str) -> str:
+def apply_liger(model: Any, wanted: bool | None, device_type: str, compiled: bool = False) -> str:
     """Patch `model` (before LoRA wraps it) with Liger's kernels for its architecture. `wanted`:
     True (required: raises ValueError when it cannot), None (where it can: CUDA, liger-kernel
-    importable, the architecture covered) or False. Returns the ledger's line."""
+    importable, the architecture covered) or False. With `compiled` decoder layers only the fused
+    linear cross-entropy is applied (it runs outside the layers): inductor fuses the norms, RoPE
+    and SwiGLU itself, and tracing Liger's in-place Triton kernels gave wrong gradients on an
+    H200 (the loss stopped falling: bench/results/h200-2026-12-01-levers). Returns the ledger's line."""
     if wanted is False:
         return "off"
     why = None
@@ -166,6 +169,9 @@ def apply_liger(model: Any, wanted: bool | None, device_type: str) -> str:
         if wanted:
             raise ValueError(f"enable_liger_kernel: true, but Liger {why}")
         return f"off ({why})"
+    if compiled:
+        _apply_liger_kernel_to_instance(model=model, rope=False, rms_norm=False, swiglu=False)
+        return "on (fused linear cross-entropy; the compiled layers fuse the rest)"
     _apply_liger_kernel_to_instance(model=model)
     return "on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)"
 
