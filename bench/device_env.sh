@@ -17,3 +17,6 @@ synth_model() {   # $1: the log to append to
   echo "synth-model" | tee -a "$1"
   $TL synth-model --arch qwen2.5-7b $MODEL 2>&1 | tail -2 | tee -a "$1"
 }
+# bitsandbytes for CUDA 13 from the Unsloth folder (../shared/tools/make_unsloth_site.sh), when carried:
+# the full bitsandbytes wheel alone is 43 MB of the 64 MiB a call may carry.
+[ -d .usite ] && export PYTHONPATH=$PYTHONPATH:$PWD/.usite

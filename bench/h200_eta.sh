@@ -59,7 +59,7 @@ if [ ! -f "$DATASET" ]; then
 fi
 
 for n in $GPUS; do
-  TAG=${n}gpu
+  TAG=${TAG_PREFIX:-}${n}gpu
   RUN=/tmp/run-eta-$TAG
   rm -rf "$RUN"                    # a warm machine's earlier run would be resumed, not predicted
   epochs=$EPOCHS; [ "$n" = 1 ] && epochs=$EPOCHS_1GPU
@@ -91,7 +91,7 @@ for n in $GPUS; do
 done
 
 # The table: predicted vs actual, whole command and per part, per world size.
-python3 - "$OUT/eta-table.md" /tmp/run-eta-*gpu <<'EOF' 2>&1 | tee -a "$LOG"
+python3 - "$OUT/eta-table.md" /tmp/run-eta-${TAG_PREFIX:-}*gpu <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 out, runs = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
@@ -120,5 +120,5 @@ print(out.read_text())
 EOF
 
 # 7 files: machine.log, dryrun/train logs per world size, eta-table.md, and the ledgers in one archive.
-tar czf "$OUT/runs.tgz" --exclude='checkpoint-*' --exclude='tensorboard' -C /tmp $(cd /tmp && ls -d run-eta-*gpu 2>/dev/null)
+tar czf "$OUT/runs.tgz" --exclude='checkpoint-*' --exclude='tensorboard' -C /tmp $(cd /tmp && ls -d run-eta-${TAG_PREFIX:-}*gpu 2>/dev/null)
 stamp "done"
