@@ -139,3 +139,10 @@ def test_load_model_records_levers(tiny_model):
     assert info["attention"] == speed.VARLEN and "reference" in levers["attention"]
     assert levers["liger"].startswith("off (needs a CUDA GPU")
     assert levers["fused_lora"] == "on (14 projections)" and levers["compile"] == "off"
+
+
+def test_fused_lora_stays_out_of_compiled_layers(tiny_model):
+    model, _ = _lora_model(tiny_model, False)
+    assert speed.fuse_lora(model, None, compiled=True).startswith("off (torch_compile")
+    with pytest.raises(ValueError, match="do not go together"):
+        speed.fuse_lora(model, True, compiled=True)

@@ -289,7 +289,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    levers["fused_lora"] = _lever(speed.fuse_lora, model, cfg.fused_lora)
+    levers["fused_lora"] = _lever(speed.fuse_lora, model, cfg.fused_lora, cfg.torch_compile)
     levers["compile"] = _lever(speed.compile_layers, model, cfg.torch_compile, device.type)
     levers["lora_dropout"] = cfg.lora_dropout
     trainable, total = model.get_nb_trainable_parameters()

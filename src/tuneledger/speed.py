@@ -232,13 +232,21 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
-def fuse_lora(model: Any, wanted: bool | None) -> str:
+def fuse_lora(model: Any, wanted: bool | None, compiled: bool = False) -> str:
     """Route every LoRA projection of a peft model through LoraProjection. `wanted`: True, None
     (where it applies) or False. Applies only where the function is exact: one active adapter,
     no dropout (dropout needs the masked input kept for dA), no DoRA, not merged, a plain or
-    4-bit bitsandbytes base. Returns the ledger's line; raises ValueError when True cannot apply."""
+    4-bit bitsandbytes base, not `compiled`. Returns the ledger's line; raises ValueError when True
+    cannot apply."""
     if wanted is False:
         return "off"
+    if compiled:
+        # Traced by dynamo inside a compiled layer, LoraProjection's gradients came out wrong on an
+        # H200 (the loss stopped falling: bench/results/h200-2026-12-01-levers/call2); eager only.
+        if wanted:
+            raise ValueError("fused_lora: true and torch_compile: true do not go together (the compiled fused "
+                             "projection trained wrongly on an H200); set one of them to false")
+        return "off (torch_compile: the compiled layers fuse LoRA's elementwise work themselves)"
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -271,8 +279,10 @@ def fuse_lora(model: Any, wanted: bool | None) -> str:
 # ------------------------------------------------------------------------------------- compile
 def compile_layers(model: Any, wanted: bool | None, device_type: str) -> str:
     """torch.compile each decoder layer (regional compilation: the layers share one compiled
-    graph, so it compiles once, not 28 times). `wanted`: True, None (auto: off until measured to
-    pay; see docs/measurements.md) or False. Returns the ledger's line."""
+    graph, so it compiles once, not 28 times). Off by default: on an H200 preset D ran 12% faster
+    with it (15,251 against 13,570 tokens/s on the mean step, eager with the fused LoRA), but its
+    first 10 losses drifted 2.4e-3 from the eager path's (eager run to run: 3e-5), so it stays
+    opt-in until that is explained (docs/measurements.md). Returns the ledger's line."""
     if not wanted:
         return "off"
     layers = None
