@@ -127,12 +127,12 @@ help: ## list the verbs
 	@echo "  several nodes (train, dryrun): NNODES= NODE_RANK= RDZV_ENDPOINT=host:port MAX_RESTARTS= (docs/multi-node.md)"
 
 # VENV_TORCH=cpu: torch 2.5.1+cpu from TORCH_CPU_INDEX (docker/torch-cpu-wheel.txt, by hash), then the
-# lock without its torch, triton and nvidia-*-cu12 blocks: about 0.4 GB to download instead of 3.2 GB
+# lock without its torch, triton, nvidia-*-cu12 and liger-kernel (GPU-only) blocks: about 0.4 GB to download instead of 3.2 GB
 # (docs/testing.md, "What set-up costs"). Linux x86_64 only; CI cannot reach PyTorch's index, so
 # this path is not run there.
 VENV_TORCH ?=
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-VENV_CUDA_WHEELS := torch|triton|nvidia-.*-cu12
+VENV_CUDA_WHEELS := torch|triton|nvidia-.*-cu12|liger-kernel
 $(VENV)/.stamp: requirements.txt pyproject.toml $(if $(filter cpu,$(VENV_TORCH)),docker/torch-cpu-wheel.txt)
 	@test -n "$(PYTHON)" || { echo "no Python 3.10 found; set PYTHON=/path/to/python3.10"; exit 1; }
 	@case "$(VENV_TORCH)" in ""|cpu) ;; *) echo "VENV_TORCH=$(VENV_TORCH): empty (the lock's torch) or cpu"; exit 2;; esac
