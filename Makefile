@@ -119,7 +119,7 @@ OVERRIDES := $(MODEL_OVERRIDE) \
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train export chat eval test test-slow test-all clean-cache monitor fetch image host-dirs compose-check lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor fetch image host-dirs compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -193,6 +193,16 @@ train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkp
 # The run to export: RUN, else the config's run_name.
 EXPORT_RUN = $(or $(RUN),$(shell sed -n 's/^run_name:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) | head -1))
 EXPORT_OUT = $(or $(OUT),runs/$(EXPORT_RUN)/export)
+# `make bench`: one GPU, one table (runs/bench/bench.md, bench.json): tuneledger's presets with the
+# default levers and each lever off, plain transformers + peft + bitsandbytes, and Unsloth where it
+# imports (PYTHONPATH, or a .usite folder). BENCH_RUNS picks the rows (bench/h200_levers.sh).
+BENCH_RUNS ?= Dplain Dauto Dsdpa Dnoliger Dnofuse Ddrop Cplain Cauto Bauto Aauto unsloth hf
+bench: $(VENV)/.stamp $(if $(filter 1,$(HAS_GPU)),$(MODEL_DEP)) ## tuneledger's presets (default levers, each lever off) beside plain HF and Unsloth on one GPU: runs/bench/bench.md
+	@test "$(HAS_GPU)" = 1 || { echo "make bench measures a GPU; this machine has none (nvidia-smi -L)"; exit 2; }
+	DEVICE_ENV=0 PY=$(VENV)/bin/python TL="$(VENV)/bin/python -m tuneledger" MODEL=$(JOB_MODEL) CONFIG=$(CONFIG) \
+		OUT=runs/bench DEADLINE=$${DEADLINE:-100000} GPU_TESTS=0 UNSLOTH_PRESETS="D C B A" RUNS="$(BENCH_RUNS)" \
+		PATH=$(abspath $(VENV))/bin:$$PATH bash bench/h200_levers.sh
+
 export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N, CHECKPOINT=best: lowest eval loss) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
 	$(TL) export --adapter runs/$(EXPORT_RUN)$(if $(CHECKPOINT),/checkpoint-$(CHECKPOINT)) $(if $(OUT),--out $(OUT))
 	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT) $(QUANT_ARGS))

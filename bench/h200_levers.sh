@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (one H200): issue 19's levers, each measured by the project's own dry-run on the
-# SYNTHETIC Qwen2.5-7B and the 400 field-length conversations, in one call:
+# `make bench`, and one device call (one H200) of it: issue 19's levers, each measured by the
+# project's own dry-run on the SYNTHETIC Qwen2.5-7B and the 400 field-length conversations, in one call:
 #   the GPU run of tests/test_speed.py (packing isolation per attention backend, fused LoRA);
 #   preset D plain (sdpa, no Liger, peft's LoRA) -> D with the defaults (auto) -> D + regional compile
 #   -> D with lora_dropout 0.05 -> C with the defaults -> C + compile; a sync-debug step on D.
@@ -48,12 +48,15 @@ peer() {  # $1: unsloth | hf; the peers train on the tokenized cache a dry-run m
   if [ "$1" = unsloth ]; then
     [ $l -gt 225 ] && l=225
     stamp "unsloth peer: presets $UNSLOTH_PRESETS (at most $(( l - 25 )) s)"
-    PYTHONPATH=$PWD/.usite:/tmp/site timeout -k 10 $(( l - 25 )) python3 bench/peer_unsloth.py --model $MODEL --data "$DATA" \
+    if ! PYTHONPATH=$PWD/.usite:/tmp/site:${PYTHONPATH:-} python3 -c "import unsloth" > /tmp/logs/unsloth.log 2>&1; then
+      stamp "unsloth does not import here: no Unsloth rows ($(tail -1 /tmp/logs/unsloth.log))"; return
+    fi
+    PYTHONPATH=$PWD/.usite:/tmp/site:${PYTHONPATH:-} timeout -k 10 $(( l - 25 )) python3 bench/peer_unsloth.py --model $MODEL --data "$DATA" \
       --preset $UNSLOTH_PRESETS --steps $(( STEPS + 4 )) --warmup $(( WARMUP + 1 )) --out "$OUT/unsloth.json" > /tmp/logs/unsloth.log 2>&1
     stamp "unsloth exit $?: $(grep '^unsloth ' /tmp/logs/unsloth.log | tr '\n' ' ')"
   else
     stamp "plain HF + peft + bitsandbytes: preset D, lora_dropout 0 (at most $(( l - 25 )) s)"
-    timeout -k 10 $(( l - 25 )) python3 -m torch.distributed.run --nproc-per-node 1 --master-port $((29600 + RANDOM % 1000)) \
+    timeout -k 10 $(( l - 25 )) ${PY:-python3} -m torch.distributed.run --nproc-per-node 1 --master-port $((29600 + RANDOM % 1000)) \
       bench/baseline_hf.py --model $MODEL --data "$DATA" --preset D --lora-dropout 0 --steps $STEPS --warmup $WARMUP \
       --out "$OUT/hf.json" > /tmp/logs/hf.log 2>&1
     stamp "hf exit $?: $(grep '^baseline ' /tmp/logs/hf.log)"
@@ -61,12 +64,13 @@ peer() {  # $1: unsloth | hf; the peers train on the tokenized cache a dry-run m
 }
 UNSLOTH_PRESETS=${UNSLOTH_PRESETS:-D C}
 for r in $RUNS; do
-  case $r in
-    unsloth|hf) peer $r; continue;;
-    Dcompile_nofuse) p=D; o="$AUTO torch_compile=true fused_lora=false";;
-    Dplain) p=D; o="$PLAIN";; Dauto) p=D; o="$AUTO";; Dcompile) p=D; o="$AUTO torch_compile=true";;
-    Ddrop) p=D; o="lora_dropout=0.05";; Cauto) p=C; o="$AUTO";; Ccompile) p=C; o="$AUTO torch_compile=true";;
-    Cplain) p=C; o="$PLAIN";;
+  case $r in unsloth|hf) peer $r; continue;; esac
+  p=${r:0:1}   # a run is <preset><variant>: Dauto, Cplain, Dnoliger, ...
+  case ${r:1} in
+    plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
+    sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
+    compile) o="$AUTO torch_compile=true";; compile_nofuse) o="$AUTO torch_compile=true fused_lora=false";;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|compile_nofuse>, unsloth, hf)"; continue;;
   esac
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
   cap=150; case $r in *compile) cap=230;; esac; [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
@@ -76,8 +80,8 @@ for r in $RUNS; do
   stamp "$r exit $?: $(grep -E "^preset $p:" /tmp/logs/dryrun-$r.log | head -1 | cut -c1-160)"
   table+=("$r=/tmp/run-$r")
 done
-${PY:-python3} bench/levers_table.py "$OUT/levers.md" "${table[@]}" > /dev/null 2>&1
-cat "$OUT/levers.md"
+${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" --peers "$OUT/unsloth.json" "$OUT/hf.json" > /dev/null 2>&1
+cat "$OUT/bench.md"
 grep -h -B2 -A6 "Warning: called a synchronizing" /tmp/logs/dryrun-Dauto.log 2>/dev/null | head -80 > /tmp/logs/syncs.log
 stamp "syncs warned in one D step: $(grep -c 'called a synchronizing' /tmp/logs/dryrun-Dauto.log 2>/dev/null)"
 cp "$LOG" "$OUT/"; [ -f /tmp/logs/test_speed_gpu.log ] && cp /tmp/logs/test_speed_gpu.log "$OUT/"
