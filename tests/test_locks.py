@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_WHEELS = "torch|triton|nvidia-.*-cu12"  # the Makefile's VENV_CUDA_WHEELS
+CUDA_WHEELS = "torch|triton|nvidia-.*-cu12|liger-kernel"  # the Makefile's VENV_CUDA_WHEELS (Liger needs triton)
 
 
 def pins(text: str) -> dict[str, str]:
@@ -25,15 +25,15 @@ def test_cpu_torch_is_the_locks_version_by_one_hash():
     assert f"VENV_CUDA_WHEELS := {CUDA_WHEELS}\n" in (ROOT / "Makefile").read_text()
 
 
-def test_the_cpu_lock_drops_exactly_torch_triton_and_the_cuda_libraries():
+def test_the_cpu_lock_drops_exactly_torch_triton_liger_and_the_cuda_libraries():
     lock = pins((ROOT / "requirements.txt").read_text())
     out = subprocess.run([sys.executable, str(ROOT / "docker" / "lockfilter.py"), "--drop", CUDA_WHEELS,
                           str(ROOT / "requirements.txt")], capture_output=True, text=True, check=True).stdout
     kept = pins(out)
     dropped = sorted(set(lock) - set(kept))
-    assert "torch" in dropped and "triton" in dropped
-    assert all(n in ("torch", "triton") or re.fullmatch(r"nvidia-.*-cu12", n) for n in dropped), dropped
-    assert len(dropped) == 2 + sum(1 for n in lock if re.fullmatch(r"nvidia-.*-cu12", n))
+    assert "torch" in dropped and "triton" in dropped and "liger-kernel" in dropped
+    assert all(n in ("torch", "triton", "liger-kernel") or re.fullmatch(r"nvidia-.*-cu12", n) for n in dropped), dropped
+    assert len(dropped) == 3 + sum(1 for n in lock if re.fullmatch(r"nvidia-.*-cu12", n))
     assert "nvidia-ml-py" in kept  # NVML, the monitor's, is not a CUDA wheel
     assert kept == {n: v for n, v in lock.items() if n not in dropped}
     sys.path.insert(0, str(ROOT / "docker"))
