@@ -56,18 +56,45 @@ def batches(ds, micro: int, packed: bool, rank: int, world: int, seed: int, pad_
                 yield {"input_ids": ids, "labels": labels, "attention_mask": mask}, int(mask.sum())
 
 
-def main() -> None:
+def timed_steps(one_step, steps: int, warmup: int, tokens: torch.Tensor) -> tuple[float, list[float], list[float]]:
+    """Run `warmup` + `steps` optimizer steps (`one_step()` returns the step's loss on the device).
+    Returns (the measured window's wall time in s, its step durations in s sorted (CUDA events),
+    every step's loss). `tokens` (a device counter the steps add to) restarts with the window."""
+    marks, losses, t0 = [], [], 0.0
+    for step in range(steps + warmup):
+        if step == warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tokens.zero_()
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        losses.append(one_step())
+    marks.append(torch.cuda.Event(enable_timing=True))
+    marks[-1].record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    durations = sorted(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(warmup, len(marks) - 1))
+    return wall, durations, [round(x, 4) for x in torch.stack(losses).tolist()]
+
+
+def common_args(steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The arguments the peers share (this script and bench/peer_unsloth.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True, help="a tuneledger tokenized-dataset cache directory")
     ap.add_argument("--preset", required=True, nargs="+", choices=sorted(PRESETS))
     ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--lora-r", type=int, default=64)
     ap.add_argument("--lora-alpha", type=int, default=128)
-    ap.add_argument("--lora-dropout", type=float, default=0.05)
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def main() -> None:
+    ap = common_args(25, 5)
+    ap.add_argument("--lora-dropout", type=float, default=0.05)
     a = ap.parse_args()
 
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -110,20 +137,13 @@ def run_preset(a, preset: str, local: int) -> dict:
     it = batches(ds, micro, packed, rank, world, 42, tok.pad_token_id)
     tokens = torch.zeros((), dtype=torch.int64, device="cuda")
     torch.cuda.reset_peak_memory_stats()
-    t0 = None
-    marks, losses = [], []
-    for step in range(a.steps + a.warmup):
-        if step == a.warmup:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            tokens.zero_()
-        marks.append(torch.cuda.Event(enable_timing=True))
-        marks[-1].record()
+
+    def one_step() -> torch.Tensor:
         step_loss = torch.zeros((), device="cuda")
         for m in range(accum):
             batch, n = next(it)
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            tokens += n
+            tokens.add_(n)
             with (model.no_sync() if m < accum - 1 else nullcontext()):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = model(**batch).loss / accum
@@ -132,12 +152,9 @@ def run_preset(a, preset: str, local: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-    marks.append(torch.cuda.Event(enable_timing=True))
-    marks[-1].record()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    durations = sorted(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(a.warmup, len(marks) - 1))
+        return step_loss
+
+    wall, durations, losses = timed_steps(one_step, a.steps, a.warmup, tokens)
     dist.all_reduce(tokens)
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -146,7 +163,7 @@ def run_preset(a, preset: str, local: int) -> dict:
            "s_per_step_median": durations[len(durations) // 2], "lora_dropout": a.lora_dropout,
            # mean step: the window's wall time; median step: the window's tokens per step at the median step
            "tokens_per_s": tokens.item() / wall, "tokens_per_s_median": tokens.item() / a.steps / durations[len(durations) // 2],
-           "first_losses": [round(x, 4) for x in torch.stack(losses).tolist()], "tokens_per_s_per_gpu": tokens.item() / wall / world,
+           "first_losses": losses, "tokens_per_s_per_gpu": tokens.item() / wall / world,
            "peak_allocated_mib": round(peak.item()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "lora_r": a.lora_r}
     if rank == 0:

@@ -25,7 +25,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import unsloth  # noqa: E402,F401  (before transformers and peft)
 from unsloth import FastLanguageModel  # noqa: E402
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -34,7 +33,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline_hf import batches  # noqa: E402
+from baseline_hf import batches, common_args, timed_steps  # noqa: E402
 
 PRESETS = {"A": (1, True), "B": (2, True), "C": (2, False), "D": (8, False)}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -59,38 +58,29 @@ def run_preset(a, preset: str) -> dict:
     it = batches(ds, micro, False, 0, 1, 42, pad)
     tokens = torch.zeros((), dtype=torch.int64, device="cuda")
     torch.cuda.reset_peak_memory_stats()
-    marks, losses, t0 = [], [], None
-    for step in range(a.steps + a.warmup):
-        if step == a.warmup:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            tokens.zero_()
-        marks.append(torch.cuda.Event(enable_timing=True))
-        marks[-1].record()
+
+    def one_step() -> torch.Tensor:
         step_loss = torch.zeros((), device="cuda")
         for _ in range(accum):
             batch, n = next(it)
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            tokens += n
+            tokens.add_(n)
             loss = model(**batch).loss / accum
             loss.backward()
             step_loss += loss.detach().float()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-    marks.append(torch.cuda.Event(enable_timing=True))
-    marks[-1].record()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    durations = sorted(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(a.warmup, len(marks) - 1))
+        return step_loss
+
+    wall, durations, losses = timed_steps(one_step, a.steps, a.warmup, tokens)
     median = durations[len(durations) // 2]
     out = {"engine": "unsloth", "engine_version": getattr(unsloth, "__version__", "?"), "preset": preset,
            "micro_batch": micro, "accum": accum, "gc": gc, "packed": False, "lora_dropout": 0.0,
            "steps": a.steps, "warmup": a.warmup, "s_per_step": wall / a.steps, "s_per_step_median": median,
            "tokens_per_s": tokens.item() / wall, "tokens_per_s_median": tokens.item() / a.steps / median,
            "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20), "load_s": round(load_s, 1),
-           "first_losses": [round(x, 4) for x in torch.stack(losses).tolist()], "gpu": torch.cuda.get_device_name(),
+           "first_losses": losses, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "lora_r": a.lora_r}
     print(f"unsloth {preset}: {out['s_per_step']:.3f} s/step (mean), {out['tokens_per_s']:,.0f} tokens/s (mean step), "
           f"{out['tokens_per_s_median']:,.0f} (median step), peak {out['peak_allocated_mib']:,} MiB", flush=True)
@@ -100,17 +90,8 @@ def run_preset(a, preset: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--data", required=True, help="a tuneledger tokenized-dataset cache directory")
-    ap.add_argument("--preset", required=True, nargs="+", choices=sorted(PRESETS))
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap = common_args(16, 4)
     ap.add_argument("--cutoff", type=int, default=2048)
-    ap.add_argument("--lora-r", type=int, default=64)
-    ap.add_argument("--lora-alpha", type=int, default=128)
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows = []
     for p in a.preset:
