@@ -200,7 +200,7 @@ BENCH_RUNS ?= Dplain Dauto Dsdpa Dnoliger Dnofuse Ddrop Cplain Cauto Bauto Aauto
 bench: $(VENV)/.stamp $(if $(filter 1,$(HAS_GPU)),$(MODEL_DEP)) ## tuneledger's presets (default levers, each lever off) beside plain HF and Unsloth on one GPU: runs/bench/bench.md
 	@test "$(HAS_GPU)" = 1 || { echo "make bench measures a GPU; this machine has none (nvidia-smi -L)"; exit 2; }
 	DEVICE_ENV=0 PY=$(VENV)/bin/python TL="$(VENV)/bin/python -m tuneledger" MODEL=$(JOB_MODEL) CONFIG=$(CONFIG) \
-		OUT=runs/bench DEADLINE=$${DEADLINE:-100000} GPU_TESTS=0 UNSLOTH_PRESETS="D C B A" RUNS="$(BENCH_RUNS)" \
+		OUT=runs/bench DEADLINE=$${DEADLINE:-100000} CAP=$${CAP:-3600} $(if $(DATASET),DATASET=$(DATASET)) GPU_TESTS=0 UNSLOTH_PRESETS="D C B A" RUNS="$(BENCH_RUNS)" \
 		PATH=$(abspath $(VENV))/bin:$$PATH bash bench/h200_levers.sh
 
 export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N, CHECKPOINT=best: lowest eval loss) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model

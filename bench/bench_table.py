@@ -105,6 +105,10 @@ def loss_checks(rows: list[dict]) -> None:
         r["loss_check"] = f"{'ok' if diff <= LOSS_TOL else 'DIFFERS'} {diff:.1e} vs {ref['run']} over {n} steps"
 
 
+def ratio(r: dict) -> str:
+    return f"{r['ratio_to_fastest_peer']} ({r['fastest_peer']})" if r.get("ratio_to_fastest_peer") is not None else "- (no peer)"
+
+
 def markdown(rows: list[dict]) -> str:
     head = ("| engine | run | preset | mb | GC | levers | tokens/s mean step | median step | x fastest peer (mean) "
             "| MFU (mean) | peak alloc GiB | GPU busy | first losses | loss check |")
@@ -118,18 +122,21 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['engine']} | {r['run']} | {r['preset']} | {r['micro_batch']} | {'on' if r['gradient_checkpointing'] else 'off'} "
             f"| {lev} | {r['tokens_per_s_mean']:,} | {r['tokens_per_s_median'] or 0:,} "
-            f"| {r['ratio_to_fastest_peer'] if r['ratio_to_fastest_peer'] is not None else '-'} ({r['fastest_peer'] or '-'}) "
+            f"| {ratio(r)} "
             f"| {r['mfu']:.1%} | {r['peak_alloc_gib']} | {busy} | {', '.join(f'{x:.3f}' for x in r['first_losses'][:6])} "
             f"| {r['loss_check']} |"
             if r["mfu"] is not None else
             f"| {r['engine']} | {r['run']} | {r['preset']} | {r['micro_batch']} | {'on' if r['gradient_checkpointing'] else 'off'} "
             f"| {lev} | {r['tokens_per_s_mean']:,} | {r['tokens_per_s_median'] or 0:,} "
-            f"| {r['ratio_to_fastest_peer']} ({r['fastest_peer']}) | - | {r['peak_alloc_gib']} | {busy} "
+            f"| {ratio(r)} | - | {r['peak_alloc_gib']} | {busy} "
             f"| {', '.join(f'{x:.3f}' for x in r['first_losses'][:6])} | {r['loss_check']} |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
     out = Path(argv[0])
     runs, peers = [], []
     args = argv[1:]
@@ -140,7 +147,10 @@ def main(argv: list[str]) -> None:
         runs = args
     rows = []
     for item in runs:
-        name, _, run = item.partition("=")
+        name, sep, run = item.partition("=")
+        if not sep or not run:
+            print(f"bench_table: {item!r} is not NAME=RUN_DIR", file=sys.stderr)
+            return 2
         if (Path(run) / "dryrun.json").is_file():
             rows += ledger_rows(name, Path(run))
         else:
@@ -149,13 +159,16 @@ def main(argv: list[str]) -> None:
     for p in peers:
         if Path(p).is_file():
             rows += peer_rows(Path(p), ours.get("matmul_params"), ours.get("peak_tflops"))
+        else:
+            rows.append({"engine": "peer", "run": Path(p).stem, "preset": "?", "error": f"no {p}"})
     ratios(rows)
     loss_checks(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(rows, indent=1))
     (out / "bench.md").write_text(markdown(rows))
     print(markdown(rows))
+    return 0 if any("error" not in r for r in rows) else 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -14,14 +14,16 @@ WARMUP=${WARMUP:-3}
 DEADLINE=${DEADLINE:-555}
 RUNS=${RUNS:-"Dplain Dauto Cauto Dcompile Ddrop Ccompile"}
 CONFIG=${CONFIG:-configs/qwen2.5-7b-qlora.yaml}
-DATASET=${DATASET:-.carry/alpaca_fieldlen.json}
+# The field-length conversations where they were carried (bench/make_fieldlen_data.py), else the config's own data.
+DATASET=${DATASET:-$([ -f .carry/alpaca_fieldlen.json ] && echo .carry/alpaca_fieldlen.json)}
+CAP=${CAP:-150}                   # s for one dry-run (compile runs get 80 more): the device call's 10 minutes
 FLAGS=${FLAGS:-}
 mkdir -p "$OUT" /tmp/logs
 if [ "${DEVICE_ENV:-1}" = 1 ]; then
   source bench/device_env.sh
   export PYTHONPATH=$PYTHONPATH:$PWD/.usite   # bitsandbytes (cuda130 only) from the Unsloth folder
 else  # CPU smoke of the plumbing: DEVICE_ENV=0 MODEL=/tmp/tiny CONFIG=configs/tiny.yaml FLAGS=--cpu
-  export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   TL=${TL:-python3 -m tuneledger}
   synth_model() { :; }
 fi
@@ -29,21 +31,20 @@ t0=$(date +%s)
 LOG=/tmp/logs/machine.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-{ nvidia-smi; ${PY:-python3} -c "import torch, transformers, peft, bitsandbytes, datasets, liger_kernel; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__)"; } >> "$LOG" 2>&1
+{ nvidia-smi; ${PY:-python3} -c "import torch, transformers, peft, bitsandbytes, datasets, liger_kernel; from importlib.metadata import version; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'liger-kernel', version('liger-kernel'))"; } >> "$LOG" 2>&1
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   stamp "tests/test_speed.py on the GPU"
   timeout 120 ${PY:-python3} -m pytest -q -p no:cacheprovider tests/test_speed.py > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
-JOB="$CONFIG model_name_or_path=$MODEL dataset=$DATASET cache_dir=/tmp/cache dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP"
+JOB="$CONFIG model_name_or_path=$MODEL ${DATASET:+dataset=$DATASET} cache_dir=/tmp/cache dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP"
 PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false lora_dropout=0"
 AUTO="lora_dropout=0"
 table=()
 DATA=""
-peer() {  # $1: unsloth | hf; the peers train on the tokenized cache a dry-run made (the same records)
-  DATA=$(ls -td /tmp/cache/*/ 2>/dev/null | head -1)
-  [ -n "$DATA" ] || { stamp "$1: no tokenized cache yet (run a dry-run first)"; return; }
+peer() {  # $1: unsloth | hf; the peers train on the tokenized cache this call's first dry-run made (the same records)
+  [ -n "$DATA" ] && [ -d "$DATA" ] || { stamp "$1: no tokenized cache from a dry-run of this call yet (list a dry-run first)"; return; }
   local l; l=$(left); [ "$l" -lt 90 ] && { stamp "$1 skipped: $l s left"; return; }
   if [ "$1" = unsloth ]; then
     [ $l -gt 225 ] && l=225
@@ -73,15 +74,18 @@ for r in $RUNS; do
     *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|compile_nofuse>, unsloth, hf)"; continue;;
   esac
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
-  cap=150; case $r in *compile) cap=230;; esac; [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
+  cap=$CAP; case $r in *compile*) cap=$(( CAP + 80 ));; esac; [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
+  rm -rf "/tmp/run-$r"   # a ledger left by an earlier call must never stand for this one
   stamp "$r: dryrun --preset $p $o (at most $cap s)"
   env $([ "$r" = Dauto ] && echo TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))) timeout -k 10 -s INT $cap \
     $TL dryrun $JOB run_name=$r output_dir=/tmp/run-$r $o --preset $p --nproc 1 --no-fit-check $FLAGS > /tmp/logs/dryrun-$r.log 2>&1
-  stamp "$r exit $?: $(grep -E "^preset $p:" /tmp/logs/dryrun-$r.log | head -1 | cut -c1-160)"
-  table+=("$r=/tmp/run-$r")
+  rc=$?
+  stamp "$r exit $rc: $(grep -E "^preset $p:" /tmp/logs/dryrun-$r.log | head -1 | cut -c1-160)"
+  [ -z "$DATA" ] && DATA=$(sed -n 's/.*(cache \(.*\))$/\1/p' /tmp/logs/dryrun-$r.log | head -1)
+  table+=("$r=/tmp/run-$r")   # a run without its dryrun.json becomes a failed row
 done
-${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" --peers "$OUT/unsloth.json" "$OUT/hf.json" > /dev/null 2>&1
-cat "$OUT/bench.md"
+peers=(); for f in "$OUT/unsloth.json" "$OUT/hf.json"; do [ -f "$f" ] && peers+=("$f"); done
+${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" ${peers[@]:+--peers "${peers[@]}"} 2>&1 | tee /tmp/logs/bench_table.log
 grep -h -B2 -A6 "Warning: called a synchronizing" /tmp/logs/dryrun-Dauto.log 2>/dev/null | head -80 > /tmp/logs/syncs.log
 stamp "syncs warned in one D step: $(grep -c 'called a synchronizing' /tmp/logs/dryrun-Dauto.log 2>/dev/null)"
 cp "$LOG" "$OUT/"; [ -f /tmp/logs/test_speed_gpu.log ] && cp /tmp/logs/test_speed_gpu.log "$OUT/"

@@ -3,7 +3,7 @@
 Packing isolation holds for every attention backend that runs here: a packed sample's logits
 equal the logits of that sample alone. On a CPU: SDPA and the varlen plumbing (the collator's
 sample bounds through our attention function, with a per-sample reference kernel); on a GPU
-(bench/h200_bench.sh runs this file there) also torch's varlen flash kernel, flex and flash-attn.
+(bench/h200_levers.sh runs this file there) also torch's varlen flash kernel, flex and flash-attn.
 The fused LoRA projection equals peft's LoRA in value and gradient.
 """
 
@@ -127,6 +127,23 @@ def test_pick_attention_says_why():
     assert impl == "sdpa" and "block-diagonal" in why
     with pytest.raises(ValueError, match="flash-attn"):
         speed.pick_attention("fa2", True, "cpu")
+    # varlen is for packed rows: a padded batch under it would attend without its padding mask
+    assert speed.pick_attention("varlen", False, "cuda")[0] == "sdpa"
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"enable_liger_kernel": True}, "enable_liger_kernel: true needs a CUDA GPU"),
+    ({"fused_lora": True, "lora_dropout": 0.1}, "set lora_dropout=0"),
+    ({"fused_lora": True, "lora_dropout": 0.0, "torch_compile": True}, "set one of them to false"),
+    ({"flash_attn": "flex", "packing": True}, "set flash_attn=auto"),
+])
+def test_preflight_refuses_a_lever_that_cannot_run(tiny_model, over, match):
+    from tuneledger.model import PreflightError
+    from tuneledger.preflight import run_checks
+
+    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "report_to": "none", **over})
+    with pytest.raises(PreflightError, match=match):
+        run_checks(cfg, cuda=False)
 
 
 def test_load_model_records_levers(tiny_model):

@@ -227,6 +227,9 @@ def markdown(led: dict) -> str:
     for r in led["presets"]:
         if "skipped" in r:
             lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
+    # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py).
+    lines += [""] + [f"- levers {r['preset']}: " + "; ".join(f"{k} {v}" for k, v in (r["model"].get("levers") or {}).items())
+                     for r in rows]
     lines += eta_markdown(rows)
     lines += ["", "## Where the step time goes (seconds per optimizer step, steady state; adds up to the window's mean step)", "",
               "| preset | forward+backward (per micro-batch x n) | all-reduce | sync wait | optimizer | other | data wait | all-reduce bus GB/s |",

@@ -255,7 +255,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     try:
         attn, attn_why = speed.pick_attention(cfg.flash_attn, cfg.packing, device.type)
     except ValueError as e:
-        raise PreflightError(f"flash_attn={cfg.flash_attn}: {e}") from None
+        raise PreflightError(f"flash_attn={cfg.flash_attn} {e}") from None
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
     if cfg.quantization_bit == 4:
         if device.type != "cuda":

@@ -139,8 +139,19 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
     arch = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
     lines = [f"model: {cfg.model_name_or_path} ({arch}){' SYNTHETIC (random weights)' if is_synthetic(config) else ''}"]
     lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
-              check_logging(cfg), check_bitsandbytes(cfg, cuda), check_disk(cfg, config)]
+              check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_disk(cfg, config)]
     return lines
+
+
+def check_levers(cfg: JobConfig, cuda: bool) -> str:
+    """The speed levers the config asks for can run here (speed.check_levers). Raises PreflightError."""
+    from tuneledger import speed
+
+    try:
+        return f"attention: {speed.check_levers(cfg, 'cuda' if cuda else 'cpu')}"
+    except ValueError as e:
+        msg = str(e)
+        raise PreflightError(msg if msg.startswith(("enable_liger", "fused_lora")) else f"flash_attn={cfg.flash_attn} {msg}") from None
 
 
 def run(args: argparse.Namespace) -> int:

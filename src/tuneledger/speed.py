@@ -5,15 +5,16 @@ ledger, so that every number says how it was made.
 
 - Attention (`flash_attn`). A packed micro-batch is one row of ~5k tokens. transformers' SDPA
   path attends over the whole row under a dense block-diagonal mask (391 ms of a 1.39 s step on an
-  H200, 12.6x Unsloth's attention). `auto` picks, for packed rows: flash-attn 2's varlen kernel
-  where flash-attn is installed (the pinned image), else torch's own varlen flash kernel
-  (`torch.nn.attention.varlen`, torch >= 2.9), else flex attention with a document mask (compiles
-  on first use), else SDPA with a warning. Padded rows take SDPA (per-sequence kernels).
+  H200, 12.6x Unsloth's attention: ../shared/notes/h200-profile.md). `auto` picks flash-attn 2
+  where it is installed (the pinned image; padded rows are unpadded by transformers); else, for
+  packed rows, torch's own varlen flash kernel (`torch.nn.attention.varlen`, torch >= 2.9), else
+  flex attention with a document mask (compiles on first use), else SDPA with a warning. Padded
+  rows otherwise take SDPA (per-sequence kernels).
 - Liger Kernel (`enable_liger_kernel`): fused RMSNorm, RoPE, SwiGLU and linear + cross-entropy
   (the logits are never materialised: 68 -> 38 GiB on preset D).
 - Fused LoRA (`fused_lora`): base projection (NF4 dequantised, or dense) + LoRA in one autograd
   function; the LoRA term is added by the second GEMM's epilogue (addmm alpha=scale), so the
-  scale, add and cast passes over every projection's output (87 ms per D step) go away.
+  scale, add and cast passes over every projection's output (87 ms per D step in the profile) go away.
 - Regional compile (`torch_compile`): each decoder layer compiled once (the layers share one
   graph), to cut the launches and Python between kernels that leave the GPU idle.
 """
@@ -70,20 +71,21 @@ def pick_attention(requested: str, packing: bool, device_type: str) -> tuple[str
         return "eager", "eager (asked for)"
     if requested == "fa2" or (requested == "auto" and cuda and _has_flash_attn()):
         if not _has_flash_attn() or not cuda:
-            raise ValueError("flash_attn=fa2 needs flash-attn and a CUDA GPU (the pinned image has both); "
-                             "use flash_attn=auto")
-        return "flash_attention_2", "flash-attn 2 (varlen kernel for packed rows)"
+            raise ValueError("needs flash-attn and a CUDA GPU (the pinned image has both); set flash_attn=auto")
+        return "flash_attention_2", "flash-attn 2 (varlen kernel: packed rows per sample, padded rows unpadded)"
+    if requested == "varlen" and not packing:
+        return "sdpa", "sdpa (flash_attn=varlen applies to packed rows; these are padded)"
     if requested == "varlen" or (requested == "auto" and cuda and packing and _torch_varlen()):
         register_varlen()
         if not cuda:
             return VARLEN, "varlen attention, CPU reference kernel (one SDPA per packed sample; for tests)"
         if not _torch_varlen():
-            raise ValueError(f"flash_attn=varlen needs torch >= 2.9 (torch.nn.attention.varlen); this is torch "
-                             f"{torch.__version__}. Use flash_attn=auto")
+            raise ValueError(f"needs torch >= 2.9 (torch.nn.attention.varlen); this is torch {torch.__version__}. "
+                             "Set flash_attn=auto")
         return VARLEN, "torch varlen flash attention (packed samples attend only to themselves, no mask)"
     if requested == "flex" or (requested == "auto" and cuda and packing and _has_flex()):
         if not _has_flex() or not cuda:
-            raise ValueError("flash_attn=flex needs torch >= 2.5 with flex_attention and a CUDA GPU; use flash_attn=auto")
+            raise ValueError("needs torch >= 2.5 with flex_attention and a CUDA GPU; set flash_attn=auto")
         return "flex_attention", "flex attention with a document mask (compiles on first use: start-up, not steps)"
     if packing and cuda:
         warn("packing with SDPA: each packed row attends under a dense block-diagonal mask (12x the attention "
@@ -167,7 +169,8 @@ def apply_liger(model: Any, wanted: bool | None, device_type: str, compiled: boo
                 why = f"no Liger kernels for model_type {model.config.model_type!r}"
     if why:
         if wanted:
-            raise ValueError(f"enable_liger_kernel: true, but Liger {why}")
+            raise ValueError(f"enable_liger_kernel: true, but Liger {why}; leave it unset (on where it applies) or "
+                             "set enable_liger_kernel=false")
         return f"off ({why})"
     if compiled:
         _apply_liger_kernel_to_instance(model=model, rope=False, rms_norm=False, swiglu=False)
@@ -267,7 +270,8 @@ def fuse_lora(model: Any, wanted: bool | None, compiled: bool = False) -> str:
             break
     if why:
         if wanted:
-            raise ValueError(f"fused_lora: true cannot apply: {why}")
+            raise ValueError(f"fused_lora: true cannot apply: {why}. Set lora_dropout=0 for the fused path, or leave "
+                             "fused_lora unset (on where it applies)")
         return f"off ({why})"
     import types
 
@@ -276,13 +280,37 @@ def fuse_lora(model: Any, wanted: bool | None, compiled: bool = False) -> str:
     return f"on ({len(layers)} projections)"
 
 
+def check_levers(cfg: Any, device_type: str) -> str:
+    """Preflight: the levers a config asks for explicitly, checked before any process starts.
+
+    Returns the attention line. Raises ValueError naming the key and the fix for an attention
+    backend that cannot run here, enable_liger_kernel: true off a GPU or without liger-kernel,
+    and fused_lora: true with lora_dropout > 0 or with torch_compile."""
+    _, attention = pick_attention(cfg.flash_attn, cfg.packing, device_type)
+    if cfg.enable_liger_kernel:
+        if device_type != "cuda":
+            raise ValueError("enable_liger_kernel: true needs a CUDA GPU (Triton kernels); unset it or set it to false")
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"enable_liger_kernel: true, but liger-kernel does not import ({e}); pip install "
+                             "liger-kernel, or set enable_liger_kernel=false") from None
+    if cfg.fused_lora and cfg.torch_compile:
+        raise ValueError("fused_lora: true and torch_compile: true do not go together (the compiled fused projection "
+                         "trained wrongly on an H200); set one of them to false")
+    if cfg.fused_lora and cfg.lora_dropout:
+        raise ValueError(f"fused_lora: true needs lora_dropout 0 (it is {cfg.lora_dropout}); set lora_dropout=0, or "
+                         "leave fused_lora unset (on where it applies)")
+    return attention
+
+
 # ------------------------------------------------------------------------------------- compile
 def compile_layers(model: Any, wanted: bool | None, device_type: str) -> str:
     """torch.compile each decoder layer (regional compilation: the layers share one compiled
     graph, so it compiles once, not 28 times). Off by default: on an H200 preset D ran 12% faster
     with it (15,251 against 13,570 tokens/s on the mean step, eager with the fused LoRA), but its
-    first 10 losses drifted 2.4e-3 from the eager path's (eager run to run: 3e-5), so it stays
-    opt-in until that is explained (docs/measurements.md). Returns the ledger's line."""
+    first 10 losses drifted 2.5e-3 from the eager path's (the same eager run in two calls: 4.7e-5),
+    so it stays opt-in until that is explained (docs/speed.md). Returns the ledger's line."""
     if not wanted:
         return "off"
     layers = None
