@@ -163,3 +163,52 @@ def test_fused_lora_stays_out_of_compiled_layers(tiny_model):
     assert speed.fuse_lora(model, None, compiled=True).startswith("off (torch_compile")
     with pytest.raises(ValueError, match="do not go together"):
         speed.fuse_lora(model, True, compiled=True)
+
+
+def _has_bnb_cuda() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return CUDA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", [pytest.param(False, id="dense"), pytest.param(True, id="nf4", marks=pytest.mark.skipif(
+    not _has_bnb_cuda(), reason="NF4 needs bitsandbytes and a CUDA GPU"))])
+def test_compiled_fused_projection_has_eager_gradients(tiny_model, quant):
+    """The mechanism behind refusing fused_lora + torch_compile: on an H200 (NF4, torch 2.11) the
+    compiled fused projection trained wrongly; on a CPU (dense, torch 2.5.1) it matches. This runs
+    both where it can, so the device call shows whether a fix holds."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    def build(compiled: bool):
+        torch.manual_seed(0)
+        kw = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                        bnb_4bit_compute_dtype=torch.bfloat16)} if quant else {}
+        m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=DTYPE if quant else torch.float32,
+                                                 device_map={"": DEVICE if quant else "cpu"}, **kw)
+        m.config.use_cache = False
+        m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                         task_type="CAUSAL_LM"))
+        torch.manual_seed(1)
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.05)
+        speed.fuse_lora(m, True)
+        if compiled:
+            speed.compile_layers(m, True, DEVICE if quant else "cpu")
+        return m
+
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for compiled in (False, True):
+        m = build(compiled)
+        x = ids.to(next(m.parameters()).device)
+        m(input_ids=x, labels=x).loss.backward()
+        grads.append({n: p.grad.float() for n, p in m.named_parameters() if p.requires_grad})
+    tol = 2e-2 if quant else 1e-4
+    for n, g in grads[0].items():
+        rel = ((g - grads[1][n]).norm() / g.norm()).item()
+        assert rel < tol, (n, rel)
