@@ -176,11 +176,13 @@ assert oci["source"] == "" or oci["source"].startswith("https://"), oci["source"
 PY
 run python -c "
 import json
-from tuneledger.model import attention_backend
+from tuneledger.speed import pick_attention
 want = json.load(open('/opt/venv/tuneledger-image.json'))['attention_on_gpu']
-got = attention_backend('auto', 'cuda')
+got, _ = pick_attention('auto', False, 'cuda')  # padded rows; packed ones get a varlen or flex kernel
 assert got == want, (got, want)
-print('  attention on a GPU with flash_attn=auto:', got, '(flash-attn absent: SDPA fallback)' if got == 'sdpa' else '')
+packed, why = pick_attention('auto', True, 'cuda')
+print('  attention on a GPU with flash_attn=auto:', got, '(flash-attn absent: SDPA fallback)' if got == 'sdpa' else '',
+      '| packed rows:', packed, '-', why)
 "
 
 step "synth-model (tiny random Qwen2, real Qwen2.5 tokenizer, no download) and preflight"
