@@ -56,6 +56,15 @@ def batches(ds, micro: int, packed: bool, rank: int, world: int, seed: int, pad_
                 yield {"input_ids": ids, "labels": labels, "attention_mask": mask}, int(mask.sum())
 
 
+def micro_batches(it, accum: int, tokens: torch.Tensor):
+    """One step's `accum` micro-batches from `batches()`, on the GPU, with their real tokens added
+    to the device counter `tokens`: yields (index, batch)."""
+    for m in range(accum):
+        batch, n = next(it)
+        tokens.add_(n)
+        yield m, {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+
+
 def timed_steps(one_step, steps: int, warmup: int, tokens: torch.Tensor) -> tuple[float, list[float], list[float]]:
     """Run `warmup` + `steps` optimizer steps (`one_step()` returns the step's loss on the device).
     Returns (the measured window's wall time in s, its step durations in s sorted (CUDA events),
@@ -140,10 +149,7 @@ def run_preset(a, preset: str, local: int) -> dict:
 
     def one_step() -> torch.Tensor:
         step_loss = torch.zeros((), device="cuda")
-        for m in range(accum):
-            batch, n = next(it)
-            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            tokens.add_(n)
+        for m, batch in micro_batches(it, accum, tokens):
             with (model.no_sync() if m < accum - 1 else nullcontext()):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = model(**batch).loss / accum

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from tuneledger.ledger import mfu  # noqa: E402
+from tuneledger.speed import levers_line  # noqa: E402
 
 
 def ledger_rows(name: str, run: Path) -> list[dict]:
@@ -117,19 +118,13 @@ def markdown(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['run']} | {r['preset']} | failed: {r['error']} |" + " |" * 10)
             continue
-        lev = "; ".join(f"{k} {v}" for k, v in r["levers"].items())
         busy = f"{r['gpu_busy_share']:.0f}%" if r["gpu_busy_share"] is not None else "-"
+        mfu_text = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         lines.append(
             f"| {r['engine']} | {r['run']} | {r['preset']} | {r['micro_batch']} | {'on' if r['gradient_checkpointing'] else 'off'} "
-            f"| {lev} | {r['tokens_per_s_mean']:,} | {r['tokens_per_s_median'] or 0:,} "
-            f"| {ratio(r)} "
-            f"| {r['mfu']:.1%} | {r['peak_alloc_gib']} | {busy} | {', '.join(f'{x:.3f}' for x in r['first_losses'][:6])} "
-            f"| {r['loss_check']} |"
-            if r["mfu"] is not None else
-            f"| {r['engine']} | {r['run']} | {r['preset']} | {r['micro_batch']} | {'on' if r['gradient_checkpointing'] else 'off'} "
-            f"| {lev} | {r['tokens_per_s_mean']:,} | {r['tokens_per_s_median'] or 0:,} "
-            f"| {ratio(r)} | - | {r['peak_alloc_gib']} | {busy} "
-            f"| {', '.join(f'{x:.3f}' for x in r['first_losses'][:6])} | {r['loss_check']} |")
+            f"| {levers_line(r['levers'])} | {r['tokens_per_s_mean']:,} | {r['tokens_per_s_median'] or 0:,} | {ratio(r)} "
+            f"| {mfu_text} | {r['peak_alloc_gib']} | {busy} | {', '.join(f'{x:.3f}' for x in r['first_losses'][:6])} "
+            f"| {r['loss_check']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -33,7 +33,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline_hf import batches, common_args, timed_steps  # noqa: E402
+from baseline_hf import batches, common_args, micro_batches, timed_steps  # noqa: E402
 
 PRESETS = {"A": (1, True), "B": (2, True), "C": (2, False), "D": (8, False)}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -61,10 +61,7 @@ def run_preset(a, preset: str) -> dict:
 
     def one_step() -> torch.Tensor:
         step_loss = torch.zeros((), device="cuda")
-        for _ in range(accum):
-            batch, n = next(it)
-            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            tokens.add_(n)
+        for _, batch in micro_batches(it, accum, tokens):
             loss = model(**batch).loss / accum
             loss.backward()
             step_loss += loss.detach().float()

@@ -30,6 +30,7 @@ from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h, plural
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.nodes import Nodes, from_args, summary
+from tuneledger.speed import levers_line
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data import DataError
 from tuneledger.stats import load_prepared, prepare_eval, prepare_for_training, run_data_hash
@@ -228,8 +229,7 @@ def markdown(led: dict) -> str:
         if "skipped" in r:
             lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
     # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py).
-    lines += [""] + [f"- levers {r['preset']}: " + "; ".join(f"{k} {v}" for k, v in (r["model"].get("levers") or {}).items())
-                     for r in rows]
+    lines += [""] + [f"- levers {r['preset']}: {levers_line(r['model'].get('levers') or {})}" for r in rows]
     lines += eta_markdown(rows)
     lines += ["", "## Where the step time goes (seconds per optimizer step, steady state; adds up to the window's mean step)", "",
               "| preset | forward+backward (per micro-batch x n) | all-reduce | sync wait | optimizer | other | data wait | all-reduce bus GB/s |",
@@ -378,9 +378,8 @@ def print_table(led: dict) -> None:
         print(f"total steps {r['eta']['total_steps']:,} ({plural(r['eta']['checkpoints'], 'checkpoint')} of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
               f"steady state after {led['warmup_steps']} warm-up steps; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
               f"({r['model']['trainable_pct']}%)")
-        for preset_row in rows:
-            levers = preset_row["model"].get("levers") or {}
-            print(f"levers {preset_row['preset']}: " + "; ".join(f"{k} {v}" for k, v in levers.items()))
+        for row in rows:
+            print(f"levers {row['preset']}: {levers_line(row['model'].get('levers') or {})}")
     verdicts = led.get("verdicts") or {}
     if len(verdicts) > 1 and len(set(verdicts.values())) == 1:  # a CPU run: the same "unknown" for each
         print(f"VERDICT {', '.join(verdicts)}: {next(iter(verdicts.values()))}")

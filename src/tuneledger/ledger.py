@@ -39,8 +39,8 @@ def summarize_run(result: dict, warmup: int) -> dict:
 
     Returns s_per_step (the median, s) with step_spread and every step's duration, tokens_per_s
     (aggregate, at the median step), tokens_per_s_mean (over the window's wall time: the mean step),
-    step_losses (every step's loss, mean over ranks), tokens_per_s_per_gpu, split (mean seconds per part and method), memory per rank
-    (MiB), steps measured and excluded, and the run's steps they replayed.
+    step_losses (every step's loss, mean over ranks), tokens_per_s_per_gpu, split (mean seconds per
+    part and method), memory per rank (MiB), steps measured and excluded, and the run's steps they replayed.
     Raises ValueError when there are not more steps than warm-up steps.
     """
     r0 = result["ranks"][0]

@@ -229,7 +229,7 @@ def fix_end_of_turn(tok: Any) -> None:
         tok.eos_token = "<|im_end|>"
 
 
-def _lever(apply: Any, *args: Any) -> str:
+def _lever(apply: Any, *args: Any) -> Any:
     """Run one speed lever; a lever asked for (True) that cannot run is a PreflightError."""
     try:
         return apply(*args)
@@ -252,10 +252,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # bf16 is the GPU's compute type. CPUs without native bf16 (no AVX512-BF16/AMX) emulate it: a
     # bf16 matmul ran at 1.6 GFLOP/s against fp32's 64 on CI's 2-core EPYC, so a CPU run is fp32.
     dtype = torch.bfloat16 if cfg.bf16 and device.type == "cuda" else torch.float32
-    try:
-        attn, attn_why = speed.pick_attention(cfg.flash_attn, cfg.packing, device.type)
-    except ValueError as e:
-        raise PreflightError(f"flash_attn={cfg.flash_attn} {e}") from None
+    attn, attn_why = _lever(speed.pick_attention, cfg.flash_attn, cfg.packing, device.type)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
     if cfg.quantization_bit == 4:
         if device.type != "cuda":

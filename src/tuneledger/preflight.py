@@ -150,8 +150,7 @@ def check_levers(cfg: JobConfig, cuda: bool) -> str:
     try:
         return f"attention: {speed.check_levers(cfg, 'cuda' if cuda else 'cpu')}"
     except ValueError as e:
-        msg = str(e)
-        raise PreflightError(msg if msg.startswith(("enable_liger", "fused_lora")) else f"flash_attn={cfg.flash_attn} {msg}") from None
+        raise PreflightError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The speed levers, in one place: attention for packed rows, Liger Kernel, the fused LoRA
 projection and regional compilation. Each is a config key with a default that
-../shared/notes/h200-profile.md and bench/results measured; `levers()` says which ran, for the
-ledger, so that every number says how it was made.
+../shared/notes/h200-profile.md and bench/results measured; model.load_model records the line
+each one returns (`levers` in the ledger), so that every number says how it was made.
 
 - Attention (`flash_attn`). A packed micro-batch is one row of ~5k tokens. transformers' SDPA
   path attends over the whole row under a dense block-diagonal mask (391 ms of a 1.39 s step on an
@@ -71,7 +71,8 @@ def pick_attention(requested: str, packing: bool, device_type: str) -> tuple[str
         return "eager", "eager (asked for)"
     if requested == "fa2" or (requested == "auto" and cuda and _has_flash_attn()):
         if not _has_flash_attn() or not cuda:
-            raise ValueError("needs flash-attn and a CUDA GPU (the pinned image has both); set flash_attn=auto")
+            raise ValueError("flash_attn=fa2 needs flash-attn and a CUDA GPU (the pinned image has both); "
+                             "set flash_attn=auto")
         return "flash_attention_2", "flash-attn 2 (varlen kernel: packed rows per sample, padded rows unpadded)"
     if requested == "varlen" and not packing:
         return "sdpa", "sdpa (flash_attn=varlen applies to packed rows; these are padded)"
@@ -80,12 +81,12 @@ def pick_attention(requested: str, packing: bool, device_type: str) -> tuple[str
         if not cuda:
             return VARLEN, "varlen attention, CPU reference kernel (one SDPA per packed sample; for tests)"
         if not _torch_varlen():
-            raise ValueError(f"needs torch >= 2.9 (torch.nn.attention.varlen); this is torch {torch.__version__}. "
-                             "Set flash_attn=auto")
+            raise ValueError(f"flash_attn=varlen needs torch >= 2.9 (torch.nn.attention.varlen); this is torch "
+                             f"{torch.__version__}. Set flash_attn=auto")
         return VARLEN, "torch varlen flash attention (packed samples attend only to themselves, no mask)"
     if requested == "flex" or (requested == "auto" and cuda and packing and _has_flex()):
         if not _has_flex() or not cuda:
-            raise ValueError("needs torch >= 2.5 with flex_attention and a CUDA GPU; set flash_attn=auto")
+            raise ValueError("flash_attn=flex needs torch >= 2.5 with flex_attention and a CUDA GPU; set flash_attn=auto")
         return "flex_attention", "flex attention with a document mask (compiles on first use: start-up, not steps)"
     if packing and cuda:
         warn("packing with SDPA: each packed row attends under a dense block-diagonal mask (12x the attention "
@@ -209,7 +210,7 @@ class LoraProjection(torch.autograd.Function):
         y = torch.addmm(bias.to(dt), x, w.t()) if bias is not None else x @ w.t()
         y.addmm_(a, B.to(dt).t(), alpha=scale)
         ctx.save_for_backward(x, a, A, B)
-        ctx.base, ctx.scale, ctx.has_bias = base, scale, bias is not None
+        ctx.base, ctx.scale = base, scale
         return y
 
     @staticmethod
@@ -229,10 +230,15 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = self.active_adapters[0]
     shape = x.shape
     base = self.get_base_layer()
-    bias = base.bias if getattr(base, "bias", None) is not None else None
     y = LoraProjection.apply(x.reshape(-1, shape[-1]), self.lora_A[name].weight, self.lora_B[name].weight,
-                             bias, base, self.scaling[name])
+                             getattr(base, "bias", None), base, self.scaling[name])
     return y.reshape(*shape[:-1], y.shape[-1])
+
+
+# Traced by dynamo inside a compiled layer, LoraProjection's gradients came out wrong on an H200 (the
+# loss stopped falling: bench/results/h200-2026-12-01-levers/call2); it runs eager only.
+FUSED_AND_COMPILED = ("fused_lora: true and torch_compile: true do not go together (the compiled fused projection "
+                      "trained wrongly on an H200); set one of them to false")
 
 
 def fuse_lora(model: Any, wanted: bool | None, compiled: bool = False) -> str:
@@ -244,11 +250,8 @@ def fuse_lora(model: Any, wanted: bool | None, compiled: bool = False) -> str:
     if wanted is False:
         return "off"
     if compiled:
-        # Traced by dynamo inside a compiled layer, LoraProjection's gradients came out wrong on an
-        # H200 (the loss stopped falling: bench/results/h200-2026-12-01-levers/call2); eager only.
         if wanted:
-            raise ValueError("fused_lora: true and torch_compile: true do not go together (the compiled fused "
-                             "projection trained wrongly on an H200); set one of them to false")
+            raise ValueError(FUSED_AND_COMPILED)
         return "off (torch_compile: the compiled layers fuse LoRA's elementwise work themselves)"
     from peft.tuners.lora import LoraLayer
 
@@ -280,6 +283,11 @@ def fuse_lora(model: Any, wanted: bool | None, compiled: bool = False) -> str:
     return f"on ({len(layers)} projections)"
 
 
+def levers_line(levers: dict) -> str:
+    """One ledger line of what load_model recorded: `key value; key value`."""
+    return "; ".join(f"{k} {v}" for k, v in levers.items())
+
+
 def check_levers(cfg: Any, device_type: str) -> str:
     """Preflight: the levers a config asks for explicitly, checked before any process starts.
 
@@ -296,8 +304,7 @@ def check_levers(cfg: Any, device_type: str) -> str:
             raise ValueError(f"enable_liger_kernel: true, but liger-kernel does not import ({e}); pip install "
                              "liger-kernel, or set enable_liger_kernel=false") from None
     if cfg.fused_lora and cfg.torch_compile:
-        raise ValueError("fused_lora: true and torch_compile: true do not go together (the compiled fused projection "
-                         "trained wrongly on an H200); set one of them to false")
+        raise ValueError(FUSED_AND_COMPILED)
     if cfg.fused_lora and cfg.lora_dropout:
         raise ValueError(f"fused_lora: true needs lora_dropout 0 (it is {cfg.lora_dropout}); set lora_dropout=0, or "
                          "leave fused_lora unset (on where it applies)")
@@ -336,6 +343,6 @@ def compile_stats() -> dict:
         from torch._dynamo.utils import counters
     except ImportError:
         return {}
-    return {"graphs": sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)),
+    return {"graphs": counters["stats"].get("unique_graphs", 0),
             "graph_breaks": sum(counters["graph_break"].values()),
             "frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0)}
