@@ -38,8 +38,14 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
   timeout 120 ${PY:-python3} -m pytest -q -p no:cacheprovider tests/test_speed.py > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
+if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per layer (bench/compile_check.py)
+  stamp "compile check"
+  timeout 150 ${PY:-python3} bench/compile_check.py --out "$OUT/compile_check.json" > /tmp/logs/compile_check.log 2>&1
+  stamp "compile check exit $?: $(grep '^compile_check' /tmp/logs/compile_check.log | cut -c1-150 | tr '\n' '|')"
+  cp /tmp/logs/compile_check.log "$OUT/"
+fi
 JOB="$CONFIG model_name_or_path=$MODEL ${DATASET:+dataset=$DATASET} cache_dir=/tmp/cache dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP"
-PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false lora_dropout=0"
+PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false torch_compile=false lora_dropout=0"
 AUTO="lora_dropout=0"
 table=()
 DATA=""
@@ -70,11 +76,11 @@ for r in $RUNS; do
   case ${r:1} in
     plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
-    compile) o="$AUTO torch_compile=true";; compile_nofuse) o="$AUTO torch_compile=true fused_lora=false";;
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|compile_nofuse>, unsloth, hf)"; continue;;
+    compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile>, unsloth, hf)"; continue;;
   esac
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
-  cap=$CAP; case $r in *compile*) cap=$(( CAP + 80 ));; esac; [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
+  cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps; [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
   rm -rf "/tmp/run-$r"   # a ledger left by an earlier call must never stand for this one
   stamp "$r: dryrun --preset $p $o (at most $cap s)"
   env $([ "$r" = Dauto ] && echo TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))) timeout -k 10 -s INT $cap \

@@ -52,8 +52,8 @@ class JobConfig(BaseModel):
     flash_attn: Literal["auto", "sdpa", "fa2", "varlen", "flex", "eager"] = "auto"
     # -- speed levers (speed.py; None: on where it applies and is exact, the ledger says which ran)
     enable_liger_kernel: bool | None = None  # LLaMA-Factory's key: Liger's fused RMSNorm, RoPE, SwiGLU, linear+CE
-    fused_lora: bool | None = None  # base projection + LoRA in one function (needs lora_dropout 0)
-    torch_compile: bool = False  # regional torch.compile of the decoder layers
+    fused_lora: bool | None = None  # base projection + LoRA (and its dropout) in one autograd function
+    torch_compile: bool | None = None  # regional torch.compile of the decoder layers; None: auto (speed.compile_layers)
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

@@ -9,6 +9,9 @@ Parts, in seconds, in the order the command spends them (PARTS):
     launch_s        torchrun until rank 0's worker runs (process spawn, imports, process group)
     model_load_s    dataset and tokenizer open, model load, 4-bit quantization, LoRA
     setup_s         Trainer set-up until the first step begins (optimizer, DDP, first batches)
+    compile_s       torch_compile only: what the first `dryrun_warmup_steps` steps took beyond their
+                    count x the median s/step (dynamo and inductor compiling the decoder layer, and
+                    recompiling once for dynamic shapes); 0 when nothing is compiled
     warmup_steps_s  the run's first `dryrun_warmup_steps` steps: their count x the median s/step. Not
                     their own dry-run times: a dry-run on a fresh machine pays one-off first-use
                     costs there (CUDA's kernel cache, first shapes) that the train after it does
@@ -37,9 +40,9 @@ from typing import Any
 
 from tuneledger.ledger import fmt_h, plural
 
-PARTS = ("python_start_s", "preflight_s", "data_s", "launch_s", "model_load_s", "setup_s",
+PARTS = ("python_start_s", "preflight_s", "data_s", "launch_s", "model_load_s", "setup_s", "compile_s",
          "warmup_steps_s", "steps_s", "saves_s", "eval_s", "finish_s")
-STARTUP = PARTS[:6]
+STARTUP = PARTS[:7]
 # Settings that change what the dry-run measures but not the run it predicts.
 NOT_COMPARED = ("dryrun_steps", "dryrun_warmup_steps", "memory_cap_gib", "resume_from_checkpoint")
 BOOTSTRAP_DRAWS = 2000
@@ -118,12 +121,19 @@ def median_range(xs: list[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -
     return meds[int(0.05 * draws)], meds[int(0.95 * draws) - 1]
 
 
+def compile_excess(warmup: list[float], median: float) -> float:
+    """s the first steps took beyond their count x the median step: compiling, when compiled."""
+    return max(0.0, sum(warmup) - len(warmup) * median)
+
+
 def predict(startup: dict[str, float], warmup: list[float], steady: list[float], total_steps: int, save_steps: int,
-            save_s: float, finish_s: float, eval_s: float = 0.0, measured: list[str] | None = None) -> dict:
+            save_s: float, finish_s: float, eval_s: float = 0.0, measured: list[str] | None = None,
+            compiled: bool = False) -> dict:
     """The whole command's ETA from measured parts (seconds; see the module doc for the parts).
 
     startup: STARTUP parts; warmup: the run's first steps' durations; steady: the measured steps'
-    durations; eval_s: all of the run's evaluations (their count x the time of one). Returns parts, total_s with low_s-high_s (the median's bootstrap range), the step
+    durations; eval_s: all of the run's evaluations (their count x the time of one); compiled: the
+    decoder layers are compiled, so the first steps' excess is start-up (compile_s). Returns parts, total_s with low_s-high_s (the median's bootstrap range), the step
     statistics, and what the mean and trimmed mean would have predicted (kept, so every train
     checks the estimators too). Raises ValueError without a steady step.
     """
@@ -135,6 +145,7 @@ def predict(startup: dict[str, float], warmup: list[float], steady: list[float],
     lo, hi = median_range(steady)
     saves = n_saves(total_steps, save_steps)
     parts = {k: float(startup.get(k) or 0.0) for k in STARTUP}
+    parts["compile_s"] = compile_excess(warmup[:w], stats["median"]) if compiled else 0.0
     parts.update({"warmup_steps_s": w * stats["median"], "steps_s": rest * stats["median"], "saves_s": saves * save_s,
                   "eval_s": eval_s, "finish_s": finish_s})
     total = sum(parts.values())
@@ -194,13 +205,18 @@ def worker_parts(result: dict, t_launch: float, t_exit: float) -> dict:
     }
 
 
-def actual(startup: dict[str, float], result: dict, t_launch: float, t_exit: float, t_end: float, warmup: int) -> dict:
-    """What a train command spent, in PARTS (seconds), and its total (process start to t_end)."""
+def actual(startup: dict[str, float], result: dict, t_launch: float, t_exit: float, t_end: float, warmup: int,
+           compiled: bool = False) -> dict:
+    """What a train command spent, in PARTS (seconds), and its total (process start to t_end).
+    compiled: the first steps' excess over the median step is compile_s, as predict() splits it."""
     w = worker_parts(result, t_launch, t_exit)
     warm = sum(w["durations"][:warmup])
+    rest = w["durations"][warmup:]
+    comp = compile_excess(w["durations"][:warmup], statistics.median(rest)) if compiled and rest else 0.0
     parts = {k: float(startup.get(k) or 0.0) for k in STARTUP}
     parts.update({"launch_s": w["launch_s"], "model_load_s": w["model_load_s"], "setup_s": w["setup_s"],
-                  "warmup_steps_s": warm, "steps_s": max(0.0, w["loop_wall_s"] - warm), "saves_s": w["saves_s"],
+                  "compile_s": comp, "warmup_steps_s": warm - comp, "steps_s": max(0.0, w["loop_wall_s"] - warm),
+                  "saves_s": w["saves_s"],
                   "eval_s": 0.0, "finish_s": w["finish_s"] + (t_end - t_exit)})
     steps = len(w["durations"])
     return {"parts": parts, "total_s": sum(parts.values()), "steps": steps, "checkpoints": len(w["save_s"]),

@@ -267,7 +267,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
     model.config.use_cache = False
     levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, cfg.enable_liger_kernel, device.type,
-                                                                 cfg.torch_compile)}
+                                                     speed.compile_planned(cfg.torch_compile, device.type))}
 
     for p in model.parameters():
         p.requires_grad_(False)
@@ -286,8 +286,9 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    levers["fused_lora"] = _lever(speed.fuse_lora, model, cfg.fused_lora, cfg.torch_compile)
-    levers["compile"] = _lever(speed.compile_layers, model, cfg.torch_compile, device.type)
+    levers["fused_lora"] = _lever(speed.fuse_lora, model, cfg.fused_lora)
+    levers["compile"] = _lever(speed.compile_layers, model, cfg.torch_compile, device.type,
+                               levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit))
     levers["lora_dropout"] = cfg.lora_dropout
     trainable, total = model.get_nb_trainable_parameters()
     info = {

@@ -181,106 +181,128 @@ def apply_liger(model: Any, wanted: bool | None, device_type: str, compiled: boo
 
 
 # ---------------------------------------------------------------------------------- fused LoRA
-def _dequantize(base: Any) -> torch.Tensor:
-    """The base projection's weight [out, in] in its compute dtype (NF4/FP4 dequantised)."""
+def base_weight_inputs(base: Any) -> tuple:
+    """The frozen base weight as plain tensors and constants, for LoraProjection.apply:
+    (w, absmax, absmax2, code2, offset, meta). Dense: (W [out, in], None, None, None, None, None).
+    4-bit: the packed uint8 weight, its absmax (uint8 under double quantization), the nested
+    absmax and code (or None), the nested offset, and meta = (blocksize, nested blocksize,
+    quant_type, shape, dtype). Tensors go in as arguments and never ride on ctx: a compiled layer
+    traces backward once for all 28 layers, and what backward reads off an object instead of its
+    inputs is baked in from the layer it was traced on."""
     w = base.weight
-    state = getattr(w, "quant_state", None)
-    if state is None:
-        return w
-    import bitsandbytes.functional as bnbf
+    qs = getattr(w, "quant_state", None)
+    if qs is None:
+        return w, None, None, None, None, None
+    meta = (qs.blocksize, qs.state2.blocksize if qs.nested else 0, qs.quant_type, tuple(qs.shape), qs.dtype)
+    if qs.nested:
+        return w, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, meta
+    return w, qs.absmax, None, None, None, meta
 
-    return bnbf.dequantize_4bit(w, state)
+
+def _dequantize(w, absmax, absmax2, code2, offset, meta) -> torch.Tensor:
+    """The base weight [out, in] in its compute dtype, through bitsandbytes' torch.library ops
+    (traceable; the same calls as bitsandbytes.functional.dequantize_4bit)."""
+    if meta is None:
+        return w
+    blocksize, blocksize2, quant_type, shape, dtype = meta
+    if absmax2 is not None:
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, absmax2, code2, blocksize2, torch.float32) + offset
+    return torch.ops.bitsandbytes.dequantize_4bit(w, absmax.float(), blocksize, quant_type, list(shape), dtype)
 
 
 class LoraProjection(torch.autograd.Function):
-    """y = x W^T + b + s (x A^T) B^T for a frozen base W (dense or 4-bit) and LoRA A [r, in], B [out, r].
+    """y = x W^T + b + s (drop(x) A^T) B^T for a frozen base W (dense or 4-bit) and LoRA A [r, in], B [out, r].
 
     Shapes: x [T, in] -> y [T, out]. The compute dtype is W's (bf16 on a GPU); A and B stay fp32
-    masters and get fp32 grads. Backward: dx = dy W + s (dy B) A, dA = s (dy B)^T x,
-    dB = s dy^T (x A^T); W is dequantised again rather than kept (what bitsandbytes does too).
-    Saved: x and x A^T, as peft saves for the same LoRA.
+    masters and get fp32 grads. Backward: dx = dy W + drop'(s (dy B) A), dA = s (dy B)^T drop(x),
+    dB = s dy^T (drop(x) A^T); W is dequantised again rather than kept (what bitsandbytes does too).
+    Saved: drop(x), drop(x) A^T and the dropout mask, as peft saves for the same LoRA; the dropout
+    is torch's own (the same random stream as peft's nn.Dropout).
     """
 
     @staticmethod
-    def forward(ctx, x, A, B, bias, base, scale):
-        w = _dequantize(base)
-        dt = w.dtype
+    def forward(ctx, x, A, B, bias, w, absmax, absmax2, code2, offset, meta, scale, p):
+        wd = _dequantize(w, absmax, absmax2, code2, offset, meta)
+        dt = wd.dtype
         x = x.to(dt)
-        a = x @ A.to(dt).t()
-        y = torch.addmm(bias.to(dt), x, w.t()) if bias is not None else x @ w.t()
-        y.addmm_(a, B.to(dt).t(), alpha=scale)
-        ctx.save_for_backward(x, a, A, B)
-        ctx.base, ctx.scale = base, scale
+        y = torch.addmm(bias.to(dt), x, wd.t()) if bias is not None else x @ wd.t()
+        mask = None
+        if p:
+            xd, mask = torch.native_dropout(x, p, True)
+        else:
+            xd = x
+        a = xd @ A.to(dt).t()
+        y = torch.addmm(y, a, B.to(dt).t(), alpha=scale)
+        ctx.save_for_backward(xd, a, A, B, w, absmax, absmax2, code2, offset, mask)
+        ctx.meta, ctx.scale, ctx.p = meta, scale, p
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, a, A, B = ctx.saved_tensors
-        s, dt = ctx.scale, x.dtype
+        xd, a, A, B, w, absmax, absmax2, code2, offset, mask = ctx.saved_tensors
+        s, dt = ctx.scale, xd.dtype
         dy = dy.to(dt)
         dyb = dy @ B.to(dt)
-        dx = dy @ _dequantize(ctx.base)
-        dx.addmm_(dyb, A.to(dt), alpha=s)
-        dA = (dyb.t() @ x).mul_(s).to(A.dtype)
+        dlora = (dyb @ A.to(dt)).mul_(s)
+        if mask is not None:
+            dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - ctx.p))
+        dx = torch.addmm(dlora, dy, _dequantize(w, absmax, absmax2, code2, offset, ctx.meta))
+        dA = (dyb.t() @ xd).mul_(s).to(A.dtype)
         dB = (dy.t() @ a).mul_(s).to(B.dtype)
-        return dx, dA, dB, None, None, None
+        return dx, dA, dB, None, None, None, None, None, None, None, None, None
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = self.active_adapters[0]
     shape = x.shape
     base = self.get_base_layer()
+    drop = self.lora_dropout[name]
+    p = drop.p if isinstance(drop, torch.nn.Dropout) and self.training else 0.0
     y = LoraProjection.apply(x.reshape(-1, shape[-1]), self.lora_A[name].weight, self.lora_B[name].weight,
-                             getattr(base, "bias", None), base, self.scaling[name])
+                             getattr(base, "bias", None), *base_weight_inputs(base), self.scaling[name], p)
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
-# Traced by dynamo inside a compiled layer, LoraProjection's gradients came out wrong on an H200 (the
-# loss stopped falling: bench/results/h200-2026-12-01-levers/call2); it runs eager only.
-FUSED_AND_COMPILED = ("fused_lora: true and torch_compile: true do not go together (the compiled fused projection "
-                      "trained wrongly on an H200); set one of them to false")
-
-
-def fuse_lora(model: Any, wanted: bool | None, compiled: bool = False) -> str:
+def fuse_lora(model: Any, wanted: bool | None) -> str:
     """Route every LoRA projection of a peft model through LoraProjection. `wanted`: True, None
     (where it applies) or False. Applies only where the function is exact: one active adapter,
-    no dropout (dropout needs the masked input kept for dA), no DoRA, not merged, a plain or
-    4-bit bitsandbytes base, not `compiled`. Returns the ledger's line; raises ValueError when True
-    cannot apply."""
+    no DoRA, no LoRA bias, not merged, a plain or 4-bit bitsandbytes base. Returns the ledger's
+    line; raises ValueError when True cannot apply."""
     if wanted is False:
         return "off"
-    if compiled:
-        if wanted:
-            raise ValueError(FUSED_AND_COMPILED)
-        return "off (torch_compile: the compiled layers fuse LoRA's elementwise work themselves)"
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    why = None
-    if not layers:
-        why = "no LoRA layers"
-    for m in layers:
-        name = m.active_adapters[0] if len(m.active_adapters) == 1 else None
-        if name is None:
-            why = "more than one active adapter"
-        elif not isinstance(m.lora_dropout[name], torch.nn.Identity):
-            why = "lora_dropout > 0 (peft's path applies it)"
-        elif m.use_dora.get(name) or m.merged or getattr(m, "lora_bias", {}).get(name):
-            why = "DoRA, a LoRA bias or a merged adapter"
-        elif type(m.get_base_layer()).__name__ not in ("Linear", "Linear4bit"):
-            why = f"base layer {type(m.get_base_layer()).__name__}"
-        if why:
-            break
+    why = fused_lora_blocker(model)
     if why:
         if wanted:
-            raise ValueError(f"fused_lora: true cannot apply: {why}. Set lora_dropout=0 for the fused path, or leave "
-                             "fused_lora unset (on where it applies)")
+            raise ValueError(f"fused_lora: true cannot apply: {why}. Leave fused_lora unset (on where it applies)")
         return f"off ({why})"
     import types
 
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     for m in layers:
         m.forward = types.MethodType(_fused_forward, m)
     return f"on ({len(layers)} projections)"
+
+
+def fused_lora_blocker(model: Any) -> str | None:
+    """Why LoraProjection cannot stand in for peft's LoRA layers of `model`, or None."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if not layers:
+        return "no LoRA layers"
+    for m in layers:
+        name = m.active_adapters[0] if len(m.active_adapters) == 1 else None
+        if name is None:
+            return "more than one active adapter"
+        if not isinstance(m.lora_dropout[name], (torch.nn.Identity, torch.nn.Dropout)):
+            return f"dropout module {type(m.lora_dropout[name]).__name__}"
+        if m.use_dora.get(name) or m.merged or getattr(m, "lora_bias", {}).get(name):
+            return "DoRA, a LoRA bias or a merged adapter"
+        if type(m.get_base_layer()).__name__ not in ("Linear", "Linear4bit"):
+            return f"base layer {type(m.get_base_layer()).__name__}"
+    return None
 
 
 def levers_line(levers: dict) -> str:
@@ -293,7 +315,7 @@ def check_levers(cfg: Any, device_type: str) -> str:
 
     Returns the attention line. Raises ValueError naming the key and the fix for an attention
     backend that cannot run here, enable_liger_kernel: true off a GPU or without liger-kernel,
-    and fused_lora: true with lora_dropout > 0 or with torch_compile."""
+    and torch_compile: true on a torch without torch.compile's GPU backend."""
     _, attention = pick_attention(cfg.flash_attn, cfg.packing, device_type)
     if cfg.enable_liger_kernel:
         if device_type != "cuda":
@@ -303,23 +325,52 @@ def check_levers(cfg: Any, device_type: str) -> str:
         except ImportError as e:
             raise ValueError(f"enable_liger_kernel: true, but liger-kernel does not import ({e}); pip install "
                              "liger-kernel, or set enable_liger_kernel=false") from None
-    if cfg.fused_lora and cfg.torch_compile:
-        raise ValueError(FUSED_AND_COMPILED)
-    if cfg.fused_lora and cfg.lora_dropout:
-        raise ValueError(f"fused_lora: true needs lora_dropout 0 (it is {cfg.lora_dropout}); set lora_dropout=0, or "
-                         "leave fused_lora unset (on where it applies)")
+    if cfg.torch_compile and cfg.fused_lora is False and cfg.quantization_bit:
+        raise ValueError(COMPILE_NEEDS_FUSED)
     return attention
 
 
 # ------------------------------------------------------------------------------------- compile
-def compile_layers(model: Any, wanted: bool | None, device_type: str) -> str:
+# bitsandbytes' own 4-bit matmul (peft's path) keeps the quant state on its autograd ctx; a
+# compiled layer traces backward once for all layers and bakes that state in from one of them
+# (on an H200 the loss drifted 2.5e-3 from eager in 10 steps: bench/results/h200-2026-12-01-levers).
+COMPILE_NEEDS_FUSED = ("torch_compile: true on a 4-bit model needs the fused LoRA projection (fused_lora unset or "
+                       "true): bitsandbytes' own 4-bit matmul is not safe to compile. Unset fused_lora, or set "
+                       "torch_compile=false")
+COMPILE_MIN_TORCH = (2, 9)  # what the compiled path was measured on (2.11 on the H200); older: eager by default
+
+
+def _torch_at_least(version: tuple[int, int]) -> bool:
+    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= version
+
+
+def compile_planned(wanted: bool | None, device_type: str) -> bool:
+    """Whether compile_layers will compile (before the model exists: Liger needs to know).
+    compile_layers can still say off for auto, when the LoRA projections do not fuse."""
+    if wanted is not None:
+        return bool(wanted)
+    return device_type == "cuda" and _torch_at_least(COMPILE_MIN_TORCH)
+
+
+def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: bool, quantized: bool) -> str:
     """torch.compile each decoder layer (regional compilation: the layers share one compiled
-    graph, so it compiles once, not 28 times). Off by default: on an H200 preset D ran 12% faster
-    with it (15,251 against 13,570 tokens/s on the mean step, eager with the fused LoRA), but its
-    first 10 losses drifted 2.5e-3 from the eager path's (the same eager run in two calls: 4.7e-5),
-    so it stays opt-in until that is explained (docs/speed.md). Returns the ledger's line."""
-    if not wanted:
+    graph, so it compiles once, not 28 times). `wanted`: True, None (auto: on a CUDA GPU with torch
+    >= 2.9 where the LoRA projections are fused or the base is dense) or False. Compiling happens
+    in the first steps, which the dry-run counts as start-up. Returns the ledger's line; raises
+    ValueError for True on a 4-bit model without the fused projection (COMPILE_NEEDS_FUSED)."""
+    if wanted is False:
         return "off"
+    why = None
+    if quantized and not fused:
+        if wanted:
+            raise ValueError(COMPILE_NEEDS_FUSED)
+        why = "the LoRA projections are not fused; bitsandbytes' own 4-bit matmul is not safe to compile"
+    elif device_type != "cuda":
+        why = "no CUDA GPU"
+    elif not _torch_at_least(COMPILE_MIN_TORCH):
+        why = f"torch {torch.__version__} < {'.'.join(map(str, COMPILE_MIN_TORCH))}, not measured; torch_compile=true to try"
+    if why and not wanted:
+        return f"off ({why})"
     layers = None
     for m in model.modules():
         if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):

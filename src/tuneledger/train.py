@@ -241,7 +241,8 @@ def check_eta(result: dict, cfg: Any, startup: dict, stats: dict, nproc: int, cp
     row, source = eta_.find_prediction(cfg.out_dir / "dryrun.json", cfg.model_dump(), nproc, stats["cache_key"], cpu)
     # The warm-up / other steps split as the dry-run made it, so the parts compare one to one.
     warmup = row["eta"]["warmup_steps"] if row else cfg.dryrun_warmup_steps
-    act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup)
+    compiled = str(result["model"].get("levers", {}).get("compile", "")).startswith("on")
+    act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup, compiled)
     result["timing"] = act
     if result.get("resumed_from"):
         result["eta_check"] = {"skipped": "resumed: the dry-run predicted the whole run, this command ran part of it"}

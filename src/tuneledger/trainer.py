@@ -797,7 +797,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         os._exit(75)
     wall = time.perf_counter() - wall0
     timeline["train_returned"] = time.time()
-    if cfg.torch_compile:
+    if str(info["levers"].get("compile", "")).startswith("on"):
         from tuneledger.speed import compile_stats
 
         info["levers"]["compile_stats"] = compile_stats()
