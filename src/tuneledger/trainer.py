@@ -773,6 +773,10 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         timeline["order_s"] = time.perf_counter() - t_order  # dry-run only: not part of the ETA's set-up
     if os.environ.get("TUNELEDGER_SYNC_DEBUG") and cuda:
         trainer.add_callback(SyncDebug(int(os.environ["TUNELEDGER_SYNC_DEBUG"])))
+    if os.environ.get("TUNELEDGER_PROFILE_STEP"):
+        from tuneledger.profile import StepProfile
+
+        trainer.add_callback(StepProfile(int(os.environ["TUNELEDGER_PROFILE_STEP"]), out_dir, rank))
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:

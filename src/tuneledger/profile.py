@@ -1,0 +1,131 @@
+"""Where one step's time goes: TUNELEDGER_PROFILE_STEP=N profiles step N of a train or dry-run
+with torch.profiler and writes `profile-step<N>.json` and `.md` into the run's output dir.
+
+The table splits the step's wall time by what the GPU ran (kernel time by category: all-reduce, matmul,
+attention, dequant, fused Triton, elementwise, optimizer, other) and the share it ran nothing
+(idle); beside it the host side: kernel launches, host-device syncs, and the CPU ops with the
+most self time. The profiler slows the host a little (its own bookkeeping per op), so read the
+idle share as an upper bound, and the step's s/step from the dry-run's own (unprofiled) steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+# Kernel name fragments, first match wins (lower case). Matmuls: cuBLAS/cuBLASLt/CUTLASS names.
+CATEGORIES = (
+    ("all-reduce", ("nccl",)),
+    ("dequant", ("dequantize", "kdequant")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("optimizer", ("multi_tensor_apply", "adam", "fused_adam")),
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "splitk")),
+    ("fused Triton", ("triton", "liger")),
+    ("elementwise", ("at::native", "elementwise", "vectorized", "reduce", "copy", "fill", "index", "scatter", "gather")),
+    ("fused Triton", ("_kernel",)),  # Liger's own kernel names (_rms_norm_forward_kernel, ...)
+)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpyAsync")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def category(kernel: str) -> str:
+    """The CATEGORIES name of a CUDA kernel, or "other"."""
+    k = kernel.lower()
+    for name, parts in CATEGORIES:
+        if any(p in k for p in parts):
+            return name
+    return "other"
+
+
+def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
+    """One step's split. events: {"name", "kind" ("kernel" | "runtime" | "cpu_op"), "dur_us",
+    "self_us"}; wall_s: the step's wall time (s). Returns {"wall_s", "kernel_s", "categories":
+    {name: s}, "idle_s", "idle_share", "launches", "syncs", "top_cpu_ops": [(name, self s, calls)]}.
+    Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
+    cats: dict[str, float] = {}
+    launches = syncs = 0
+    ops: dict[str, list] = {}
+    for e in events:
+        if e["kind"] == "kernel":
+            c = category(e["name"])
+            cats[c] = cats.get(c, 0.0) + e["dur_us"] / 1e6
+        elif e["kind"] == "runtime":
+            launches += e["name"].startswith(LAUNCH_CALLS)
+            syncs += e["name"].startswith(SYNC_CALLS)
+        else:
+            o = ops.setdefault(e["name"], [0.0, 0])
+            o[0] += e["self_us"] / 1e6
+            o[1] += 1
+    kernel_s = sum(cats.values())
+    idle = max(0.0, wall_s - kernel_s)
+    return {"wall_s": wall_s, "kernel_s": kernel_s, "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "idle_s": idle, "idle_share": idle / wall_s if wall_s else 0.0, "launches": launches, "syncs": syncs,
+            "top_cpu_ops": sorted(((n, s, c) for n, (s, c) in ops.items()), key=lambda t: -t[1])[:top]}
+
+
+def markdown(s: dict, step: int) -> str:
+    """The table of summarize()'s result, in ms and shares of the step."""
+    w = s["wall_s"]
+    lines = [f"step {step}: {w * 1e3:.0f} ms wall (profiled), GPU kernels {s['kernel_s'] * 1e3:.0f} ms, "
+             f"idle {s['idle_share']:.0%}; {s['launches']:,} kernel launches, {s['syncs']} host syncs", "",
+             "| category | ms | share of the step |", "| --- | --- | --- |"]
+    rows = list(s["categories"].items()) + [("idle", s["idle_s"])]
+    lines += [f"| {name} | {sec * 1e3:.1f} | {sec / w:.1%} |" for name, sec in rows]
+    lines += ["", "| CPU op (self time) | ms | calls |", "| --- | --- | --- |"]
+    lines += [f"| {n[:80]} | {sec * 1e3:.1f} | {c} |" for n, sec, c in s["top_cpu_ops"]]
+    return "\n".join(lines) + "\n"
+
+
+def _events(prof: Any) -> list[dict]:
+    out = []
+    for e in prof.events():
+        kind = str(getattr(e, "device_type", "")).lower()
+        if "cuda" in kind:
+            out.append({"name": e.name, "kind": "kernel", "dur_us": e.time_range.elapsed_us(), "self_us": 0.0})
+        elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+            out.append({"name": e.name, "kind": "runtime", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total})
+        else:
+            out.append({"name": e.name, "kind": "cpu_op", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total})
+    return out
+
+
+class StepProfile(TrainerCallback):
+    """Profile optimizer step `step` (1-based) on rank 0; write the split into `out_dir`."""
+
+    def __init__(self, step: int, out_dir: Path, rank: int = 0):
+        self.step, self.out_dir, self.rank = step, Path(out_dir), rank
+        self.prof = None
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step + 1 != self.step or self.rank != 0:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []))
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.prof is None:
+            return
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        s = summarize(_events(self.prof), wall)
+        self.prof = None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"profile-step{self.step}.json").write_text(json.dumps(s, indent=1))
+        md = markdown(s, self.step)
+        (self.out_dir / f"profile-step{self.step}.md").write_text(md)
+        print(md, flush=True)

@@ -1,0 +1,54 @@
+"""The step profile (TUNELEDGER_PROFILE_STEP): kernel categories, the split of a step, and the
+callback on a real (CPU) profiler."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from tuneledger import profile
+
+
+def test_kernel_names_fall_in_their_category():
+    assert profile.category("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, ...)") == "dequant"
+    assert profile.category("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
+    assert profile.category("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "matmul"
+    assert profile.category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert profile.category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "fused Triton"
+    assert profile.category("_rms_norm_forward_kernel") == "fused Triton"
+    assert profile.category("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert profile.category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
+    assert profile.category("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "all-reduce"
+    assert profile.category("some_unknown") == "other"
+
+
+def test_summary_splits_the_step_and_counts_the_host_side():
+    ev = [{"name": "gemm_a", "kind": "kernel", "dur_us": 300_000, "self_us": 0},
+          {"name": "flash_fwd", "kind": "kernel", "dur_us": 100_000, "self_us": 0},
+          {"name": "cudaLaunchKernel", "kind": "runtime", "dur_us": 5, "self_us": 5},
+          {"name": "cudaLaunchKernel", "kind": "runtime", "dur_us": 5, "self_us": 5},
+          {"name": "cudaStreamSynchronize", "kind": "runtime", "dur_us": 50, "self_us": 50},
+          {"name": "aten::mm", "kind": "cpu_op", "dur_us": 40, "self_us": 30},
+          {"name": "aten::mm", "kind": "cpu_op", "dur_us": 40, "self_us": 30}]
+    s = profile.summarize(ev, wall_s=0.5)
+    assert s["categories"] == {"matmul": 0.3, "attention": 0.1}
+    assert abs(s["idle_s"] - 0.1) < 1e-9 and abs(s["idle_share"] - 0.2) < 1e-9
+    assert (s["launches"], s["syncs"]) == (2, 1)
+    assert s["top_cpu_ops"][0] == ("aten::mm", 60e-6, 2)
+    md = profile.markdown(s, 5)
+    assert "| matmul | 300.0 | 60.0% |" in md and "| idle | 100.0 | 20.0% |" in md and "2 kernel launches, 1 host syncs" in md
+
+
+def test_callback_profiles_only_its_step(tmp_path):
+    cb = profile.StepProfile(2, tmp_path)
+    a = torch.randn(64, 64)
+    for step in range(3):
+        state = SimpleNamespace(global_step=step)
+        cb.on_step_begin(None, state, None)
+        (a @ a).sum()
+        cb.on_step_end(None, state, None)
+    s = json.loads((tmp_path / "profile-step2.json").read_text())
+    assert s["wall_s"] > 0 and any(n.startswith("aten::") for n, _, _ in s["top_cpu_ops"])
+    assert [p.name for p in tmp_path.iterdir()] and len(list(tmp_path.glob("profile-step*.json"))) == 1
