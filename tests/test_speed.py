@@ -263,3 +263,27 @@ def test_compiled_fused_projection_has_eager_gradients(tiny_model, quant):
     assert abs(l0 - l1) < (1e-2 if quant else 1e-5) * abs(l0), (l0, l1)
     rel, name = _worst(g0, g1)
     assert rel < (NF4_TOL if quant else 1e-4), (name, rel)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
+def test_compiled_layer_keeps_no_dequantized_weight_for_backward(tiny_model):
+    """Forward and backward each dequantize; traced into one graph, the compiler must not merge
+    the two and keep the bf16 weight [out, in] of every projection alive until backward (13 GiB
+    on Qwen2.5-7B)."""
+    m = _nf4_lora_model(tiny_model, True)
+    speed.compile_layers(m, True, DEVICE, fused=True, quantized=True)
+    weights = {tuple(mod.get_base_layer().weight.quant_state.shape) for mod in m.modules() if hasattr(mod, "lora_A")}
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    m.train()
+    x = IDS[:1, :50].to(next(m.parameters()).device)  # 50 tokens: no activation [T, in] has a weight's shape
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(input_ids=x, labels=x).loss.backward()
+    assert saved
+    kept = [s for s in saved if s[0] in weights and s[1] == torch.bfloat16]
+    assert not kept, kept
