@@ -22,6 +22,7 @@ each one returns (`levers` in the ledger), so that every number says how it was 
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from typing import Any
 
@@ -233,9 +234,20 @@ def _(w, absmax, absmax2, code2, offset, blocksize, blocksize2, quant_type, shap
     return w.new_empty(shape, dtype=dtype)
 
 
+# How backward keeps its dequantization apart from forward's, for the bench's A/B (the op cost C
+# 28% of its tokens/s in one call, bench/results/h200-2026-12-01-compile): "op" (the custom op
+# above), "view" (the same bitsandbytes op on a view of the packed weight: another node to the
+# graph's common-subexpression pass) or "nocse" (that pass off for the compiled layers).
+BWD_DEQUANT = os.environ.get("TUNELEDGER_BWD_DEQUANT", "op")
+
+
 def _dequantize_again(w, absmax, absmax2, code2, offset, meta) -> torch.Tensor:
     if meta is None:
         return w
+    if BWD_DEQUANT == "view":
+        return _dequantize(w.view(w.shape), absmax, absmax2, code2, offset, meta)
+    if BWD_DEQUANT == "nocse":
+        return _dequantize(w, absmax, absmax2, code2, offset, meta)
     blocksize, blocksize2, quant_type, shape, dtype = meta
     return _dequantize_for_backward(w, absmax, absmax2, code2, offset, blocksize, blocksize2, quant_type, list(shape), dtype)
 
@@ -413,6 +425,10 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     # DDP's graph splitting (at bucket bounds) exists for whole-model graphs; one layer's graph is
     # small, and the splitter refuses the higher-order op our traced LoraProjection becomes.
     _dynamo.config.optimize_ddp = False
+    if BWD_DEQUANT == "nocse":
+        import torch._functorch.config as functorch_config
+
+        functorch_config.cse = False
     for layer in layers:
         layer.compile(dynamic=None)
     return f"on ({len(layers)} decoder layers, regional)"
