@@ -81,15 +81,58 @@ def test_only_node_0_renames_a_damaged_checkpoint(tmp_path, capsys):
     assert (run / "damaged-checkpoint-4").is_dir() and not (run / "checkpoint-4").exists()
 
 
-def test_no_checkpoint_verifies_refuses_naming_the_missing_file(tmp_path, capsys):
+def test_no_checkpoint_verifies_refuses_naming_the_missing_file_and_again_on_the_second_start(tmp_path, capsys):
+    """A refusal must not turn into a fresh start: nothing is renamed, so the same command again
+    (a supervisor's restart) refuses again; so does a folder whose checkpoints an earlier start set
+    aside. Only resume_from_checkpoint=never starts over."""
     from tuneledger.train import pick_checkpoint
 
     run = tmp_path / "run"
     (fake_checkpoint(run, 2) / "optimizer.pt").unlink()
+    (fake_checkpoint(run, 4) / "optimizer.pt").unlink()
+    for _ in range(2):
+        resume, refusal = pick_checkpoint(train_cfg(run))
+        assert resume is None and "no checkpoint" in refusal and "resume_from_checkpoint=never" in refusal
+        assert "checkpoint-2/optimizer.pt is missing" in capsys.readouterr().err
+        assert (run / "checkpoint-2" / "adapter_model.safetensors").is_file() and not list(run.glob("damaged-*"))
+    (run / "checkpoint-4").rename(run / "damaged-checkpoint-4")  # as a start with a good checkpoint-6 once left it
+    (run / "checkpoint-2").rename(run / "damaged-checkpoint-2")
     resume, refusal = pick_checkpoint(train_cfg(run))
-    assert resume is None and "no checkpoint" in refusal and "resume_from_checkpoint=never" in refusal
-    assert "checkpoint-2/optimizer.pt is missing" in capsys.readouterr().err
-    assert (run / "damaged-checkpoint-2" / "adapter_model.safetensors").is_file()
+    assert resume is None and "2 checkpoint(s)" in refusal
+    assert "damaged-checkpoint-2: set aside" in capsys.readouterr().err
+    assert pick_checkpoint(train_cfg(run, resume_from_checkpoint="never")) == (None, None)
+
+
+def test_bits_flipped_in_place_are_found_by_the_content_hash(tmp_path):
+    c = fake_checkpoint(tmp_path / "run", 2)
+    f = c / "adapter_model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[1234] ^= 0b1000_0001  # same size, other bytes
+    f.write_bytes(bytes(data))
+    why = ck.problem(c)
+    assert why and "adapter_model.safetensors does not match its content hash" in why
+    assert ck.problem(c, hashes=False) is None  # sizes alone miss it
+    assert ck.scan(c.parent) == (None, [(c, why)])
+
+
+@pytest.mark.parametrize("health, reason", [
+    ({"loss": 2.1, "grad_norm": 0.5, "max_abs_weight": 1e30, "finite_weights": True}, "largest |weight| is 1e+30"),
+    ({"loss": 2.1, "grad_norm": 0.5, "max_abs_weight": None, "finite_weights": False}, "NaN or Inf weights"),
+    ({"loss": float("nan"), "grad_norm": 0.5, "max_abs_weight": 0.1, "finite_weights": True}, "loss is nan"),
+    ({"loss": 2.1, "grad_norm": float("inf"), "max_abs_weight": 0.1, "finite_weights": True}, "grad norm is inf"),
+])
+def test_a_sealed_checkpoint_is_good_only_if_its_step_was(tmp_path, health, reason):
+    """'Good' means checked: finite loss and grad norm at the step, finite weights of a sane size."""
+    run = tmp_path / "run"
+    fake_checkpoint(run, 2)
+    bad = run / "checkpoint-4"
+    fake_checkpoint(run, 4, seal=False)
+    ck.write_manifest(bad, 4, health)
+    why = ck.problem(bad)
+    assert why and reason in why and "not good" in why
+    assert ck.scan(run) == (run / "checkpoint-2", [(bad, why)])
+    ck.write_manifest(bad, 4, {"loss": 2.1, "grad_norm": 0.5, "max_abs_weight": 0.3, "finite_weights": True})
+    assert ck.problem(bad) is None
 
 
 def test_explicit_checkpoint_without_optimizer_is_refused(tmp_path):
@@ -333,3 +376,24 @@ def test_ranks_that_do_not_stop_within_the_grace_period_are_killed():
     while Path(f"/proc/{rank}").exists() and open(f"/proc/{rank}/stat").read().split()[2] != "Z":
         assert time.monotonic() < deadline, "the rank outlived the grace period"
         time.sleep(0.05)
+
+
+def test_step_health_reads_the_step_log_and_the_adapter():
+    from types import SimpleNamespace
+
+    import torch
+
+    from tuneledger.trainer import step_health
+
+    m = torch.nn.Linear(4, 4)
+    m.bias.requires_grad_(False)
+    with torch.no_grad():
+        m.weight.fill_(0.5)
+        m.weight[0, 0] = -3.0
+        m.bias.fill_(1e30)  # frozen: not the adapter's
+    state = SimpleNamespace(global_step=2, log_history=[{"loss": 9.0, "step": 1}, {"loss": 2.5, "grad_norm": 0.7, "step": 2}])
+    assert step_health(m, state) == {"loss": 2.5, "grad_norm": 0.7, "max_abs_weight": 3.0, "finite_weights": True}
+    with torch.no_grad():
+        m.weight[1, 1] = float("nan")
+    h = step_health(m, state)
+    assert h["finite_weights"] is False and ck.unhealthy(h)

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tuneledger import eta as eta_
-from tuneledger.checkpoints import MANIFEST, REQUIRED, problem, scan, set_aside
+from tuneledger.checkpoints import DAMAGED_PREFIX, MANIFEST, REQUIRED, problem, scan, set_aside
 from tuneledger.config import JobConfig, add_preset_option, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import total_steps
@@ -75,6 +75,17 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
                           "optimizer, the learning-rate schedule or the settings check")
         return str(path), None
     good, bad = scan(out)
+    if good is None:
+        # Never start over in a folder that holds checkpoints, damaged or set aside: the same
+        # command again (a supervisor's restart, a user following the advice) must refuse again.
+        aside = sorted(p.name for p in out.glob(DAMAGED_PREFIX + "checkpoint-*")) if out.is_dir() else []
+        if bad or aside:
+            lines = "\n  ".join([f"{p.name}: {why}" for p, why in bad] + [f"{n}: set aside by an earlier start" for n in aside])
+            print(f"WARNING: no checkpoint in {out} verifies (none renamed, none deleted):\n  {lines}",
+                  file=sys.stderr, flush=True)
+            return None, (f"no checkpoint in {out} verifies, so there is nothing safe to resume from, and the folder holds "
+                          f"{len(bad) + len(aside)} checkpoint(s). Start over with resume_from_checkpoint=never, or point "
+                          "resume_from_checkpoint at one you trust")
     if bad:
         if rename_damaged:
             kept = [f"kept as {m.name}" for m in set_aside(bad)]
@@ -83,9 +94,6 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
         lines = "\n  ".join(f"{p.name}: {why} -> {k}" for (p, why), k in zip(bad, kept))
         print(f"WARNING: {len(bad)} checkpoint(s) in {out} do not verify and are skipped (not deleted):\n  {lines}",
               file=sys.stderr, flush=True)
-        if good is None:
-            return None, (f"no checkpoint in {out} verifies (see above), so there is nothing safe to resume from. Start "
-                          "over with resume_from_checkpoint=never, or point resume_from_checkpoint at one you trust")
     return (str(good) if good else None), None
 
 
@@ -184,10 +192,13 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
               f"{result['nodes']['nccl'] or 'n/a (gloo, or NCCL_DEBUG set elsewhere)'}")
     stopped = result.get("stopped") or {}
     if stopped.get("reason") == "nonfinite":
+        good, bad = scan(out)
+        known = (f"the last good checkpoint (files, loss, grad norm and weights checked) is {good}" if good else
+                 "no checkpoint is known good" + (f" ({bad[0][0].name}: {bad[0][1]})" if bad else " (none was saved)"))
         print(f"tuneledger train: loss {stopped['loss']} / grad norm {stopped['grad_norm']} at step {stopped['step']} "
-              f"(finite until step {stopped['last_finite_step']}): stopped, that step not saved; the last good "
-              f"checkpoint is {result['checkpoint']}. Lower learning_rate (now {cfg.learning_rate:g}) or check the "
-              "data, then start over with another run_name.", file=sys.stderr)
+              f"(finite until step {stopped['last_finite_step']}): stopped, that step not saved; {known}. Lower "
+              f"learning_rate (now {cfg.learning_rate:g}) or check the data, then start over with another run_name.",
+              file=sys.stderr)
         return 3
     total_mib = None
     if rows:

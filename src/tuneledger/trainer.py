@@ -36,7 +36,7 @@ from tuneledger import quiet
 quiet.install()  # before transformers and peft import bitsandbytes, which logs at import
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from tuneledger.checkpoints import CONFIG, DATA, MANIFEST, size_of, write_manifest
+from tuneledger.checkpoints import CONFIG, DATA, MANIFEST, size_of, unhealthy, write_manifest
 from tuneledger.config import JobConfig
 from tuneledger.launch import best_checkpoint, last_checkpoint
 from tuneledger.ledger import run_loss
@@ -295,17 +295,41 @@ class SealCheckpoint(TrainerCallback):
         try:
             (ckpt / CONFIG).write_text(json.dumps(self.cfg.model_dump(), indent=1, ensure_ascii=False))
             (ckpt / DATA).write_text(json.dumps({"data_files": self.data_files}, indent=1, ensure_ascii=False))
-            write_manifest(ckpt, state.global_step)
+            health = step_health(kw.get("model"), state)
+            write_manifest(ckpt, state.global_step, health)
         except Exception as e:
             if disk_full(e):
                 shutil.rmtree(ckpt, ignore_errors=True)  # half-written: no use, and it holds space
                 raise DiskFullError(errno.ENOSPC, disk_full_message(ckpt, self.bytes, self.good)) from e
             raise
         apply_umask(ckpt)  # safetensors wrote adapter_model.safetensors 0600
+        bad = unhealthy(health)
+        if bad:  # sealed, so it shows in scans with its reason; it must not rotate good ones out
+            print(f"WARNING: {ckpt.name} is saved but not good: {bad}. Older checkpoints are kept.",
+                  file=sys.stderr, flush=True)
+            return
         self.good, self.bytes = ckpt, size_of(ckpt)
         from transformers.trainer_utils import rotate_checkpoints
 
         rotate_checkpoints(output_dir=args.output_dir, save_total_limit=self.keep, use_mtime=False)
+
+
+def step_health(model: Any, state: Any) -> dict:
+    """The health a checkpoint is sealed with: the step's logged loss and grad norm (the guard
+    forces a log at every save step) and the adapter's largest |weight| and finiteness (one
+    reduction per trainable tensor and one host sync, at save time only)."""
+    logged = next((h for h in reversed(state.log_history) if "loss" in h and h.get("step") == state.global_step), {})
+    out = {"loss": logged.get("loss"), "grad_norm": logged.get("grad_norm"), "max_abs_weight": None,
+           "finite_weights": None}
+    params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+    if params:
+        import torch
+
+        with torch.no_grad():
+            m = torch.stack([p.detach().abs().max().float() for p in params]).max().item()
+        out["finite_weights"] = math.isfinite(m)
+        out["max_abs_weight"] = m if math.isfinite(m) else None
+    return out
 
 
 def resume_conflicts(checkpoint: str | Path, cfg: JobConfig) -> list[str]:
