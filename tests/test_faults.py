@@ -397,3 +397,22 @@ def test_step_health_reads_the_step_log_and_the_adapter():
         m.weight[1, 1] = float("nan")
     h = step_health(m, state)
     assert h["finite_weights"] is False and ck.unhealthy(h)
+
+
+@pytest.mark.parametrize("valid, val_size, train, needle", [
+    (3, 0.0, 3, "3 training record(s) in d.jsonl are fewer than one global batch (global_batch_size=16)"),
+    (20, 0.5, 10, "10 training record(s) (20 valid, 10 held out by val_size=0.5)"),
+])
+def test_fewer_records_than_one_global_batch_is_refused_before_launch(tmp_path, valid, val_size, train, needle):
+    """stats, dryrun and train share the gate: it names the counts and the batch that would work."""
+    from tuneledger.data import Prepared
+    from tuneledger.stats import gate
+
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["d.jsonl"], "global_batch_size": 16,
+                             "val_size": val_size})
+    report = {"records": {"total": valid, "valid": valid, "invalid": 0, "invalid_by_reason": {}},
+              "train_records": train}
+    why = gate(Prepared(tmp_path, report, [], False), cfg)
+    assert why and needle in why and f"Set global_batch_size to {train} or less" in why
+    report["train_records"] = 16
+    assert gate(Prepared(tmp_path, report, [], False), cfg) is None

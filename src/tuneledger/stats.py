@@ -33,6 +33,12 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     if cfg.val_size and prep.report.get("train_records", 1) <= 0:
         return (f"val_size={cfg.val_size:g} holds out all {rec['valid']} valid records of {', '.join(cfg.dataset)}: "
                 "nothing is left to train on; lower val_size")
+    train = prep.report.get("train_records", rec["valid"])
+    if train < cfg.global_batch_size:
+        held = f" ({rec['valid']:,} valid, {rec['valid'] - train:,} held out by val_size={cfg.val_size:g})" if cfg.val_size else ""
+        return (f"{train:,} training record(s){held} in {', '.join(cfg.dataset)} are fewer than one global batch "
+                f"(global_batch_size={cfg.global_batch_size}): not one full step. Set global_batch_size to {train} or "
+                f"less (a multiple of micro-batch x world size), or add data")
     if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
         return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
                 f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
