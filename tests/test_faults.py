@@ -223,7 +223,9 @@ SWAP = textwrap.dedent("""
             return real(*a, **kw)
         return op
     Path.rename = killing(Path.rename)
+    Path.symlink_to = killing(Path.symlink_to)
     ex._exchange = killing(ex._exchange)
+    ex.os.replace = killing(ex.os.replace)
     ex.shutil.rmtree = killing(ex.shutil.rmtree)
     with ex.atomic_dir(out) as tmp:
         tmp.mkdir()
@@ -239,26 +241,48 @@ def whole(out: Path) -> str:
     return next(iter(files.values()))
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "versioned-symlink"])
 def test_export_killed_at_each_file_operation_leaves_one_whole_export(tmp_path, exchange):
+    """At every instant `export` is one whole export: swapped by RENAME_EXCHANGE where the
+    filesystem has it, else a symlink to a versioned folder moved by one rename."""
     from tuneledger.export import _recover
 
     out = tmp_path / "export"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    assert subprocess.run([sys.executable, "-c", SWAP, str(out), "v1", "0", "1"], env=env).returncode == 0
+    x = str(int(exchange))
+    assert subprocess.run([sys.executable, "-c", SWAP, str(out), "v1", "0", x], env=env).returncode == 0
+    assert out.is_symlink() != exchange
     seen = set()
-    for kill_at in range(1, 8):
-        p = subprocess.run([sys.executable, "-c", SWAP, str(out), f"v{kill_at + 1}", str(kill_at), str(int(exchange))], env=env)
+    for kill_at in range(1, 10):
+        p = subprocess.run([sys.executable, "-c", SWAP, str(out), f"v{kill_at + 1}", str(kill_at), x], env=env)
         if p.returncode == 0:
             break
         assert p.returncode == -9
-        if exchange:
-            seen.add(whole(out))  # at every instant
+        seen.add(whole(out))  # at every instant
         _recover(out)  # what the next export does first
         seen.add(whole(out))
     assert p.returncode == 0 and whole(out) == f"v{kill_at + 1}"
     assert kill_at >= 3 and len(seen) >= 2  # the kills did land before and after the swap
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["export"]  # no .old or .partial left
+    left = sorted(x.name for x in tmp_path.iterdir())
+    if exchange:
+        assert left == ["export"]  # no .old or .partial left
+    else:
+        assert len(left) == 2 and left[0] == "export" and left[1].startswith("export.v") and out.resolve().name == left[1]
+
+
+def test_an_export_written_before_links_still_swaps_without_the_exchange(tmp_path, monkeypatch):
+    """A real `export` folder (an older version's) on a filesystem without the exchange: the
+    two-rename swap, whose one gap _recover undoes."""
+    import tuneledger.export as ex
+
+    monkeypatch.setattr(ex, "_exchange", lambda a, b: False)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "export.json").write_text("old")
+    with ex.atomic_dir(out) as tmp:
+        tmp.mkdir()
+        (tmp / "export.json").write_text("new")
+    assert (out / "export.json").read_text() == "new" and not out.is_symlink()
 
 
 # --------------------------------------------------------------------- item 1: NaN and collapse
