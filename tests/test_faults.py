@@ -395,7 +395,7 @@ def test_ranks_that_do_not_stop_within_the_grace_period_are_killed():
     assert stopper.signal == "SIGTERM"
     torchrun.wait(timeout=60)
     stopper.timer.join(timeout=60)
-    assert stopper.killed
+    assert stopper.killed == "not stopped within stop_grace_period_s=1 s of SIGTERM"
     deadline = time.monotonic() + 60
     while Path(f"/proc/{rank}").exists() and open(f"/proc/{rank}/stat").read().split()[2] != "Z":
         assert time.monotonic() < deadline, "the rank outlived the grace period"
@@ -440,3 +440,40 @@ def test_fewer_records_than_one_global_batch_is_refused_before_launch(tmp_path, 
     assert why and needle in why and f"Set global_batch_size to {train} or less" in why
     report["train_records"] = 16
     assert gate(Prepared(tmp_path, report, [], False), cfg) is None
+
+
+def test_a_second_ctrl_c_is_named_as_such_not_as_the_grace_period():
+    from tuneledger.launch import _Stopper
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stopper = _Stopper(proc, grace_s=120)
+    stopper.handle(signal.SIGINT, None)
+    stopper.handle(signal.SIGINT, None)
+    proc.wait(timeout=30)
+    stopper.timer.cancel()
+    assert stopper.killed.startswith("a second Ctrl-C 0.") and "after the first SIGINT" in stopper.killed
+    assert "stop_grace_period_s" not in stopper.killed
+
+
+@pytest.mark.parametrize("rc, outcome, clean, ckpts, want", [
+    (124, {"signal": "SIGTERM", "killed": "not stopped within stop_grace_period_s=120 s of SIGTERM"}, True, "good",
+     "the ranks were killed (not stopped within stop_grace_period_s=120 s of SIGTERM). The last good checkpoint is checkpoint-2"),
+    (-9, {"signal": None, "killed": None}, True, "good",
+     "torchrun exited -9 without this command being signalled (killed?)"),
+    (1, {"signal": None, "killed": None, "causes": ["rank 0: OSError: [Errno 28] No space left on device: /r/checkpoint-2"]},
+     False, "none", "a rank failed (exit 1): rank 0: OSError: [Errno 28] No space left on device: /r/checkpoint-2. "
+     "No checkpoint was saved: the same command starts over."),
+    (1, {"signal": None, "killed": None, "causes": []}, False, "damaged", "No checkpoint verifies: the same command refuses"),
+])
+def test_the_last_line_of_a_failed_train_says_what_happened_and_what_to_do(tmp_path, rc, outcome, clean, ckpts, want):
+    from tuneledger.train import failure_line
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if ckpts == "good":
+        fake_checkpoint(run, 2)
+    elif ckpts == "damaged":
+        (fake_checkpoint(run, 2) / "optimizer.pt").unlink()
+    line = failure_line(rc, outcome, clean, run, run / "train.log")
+    assert want in line and line.startswith("tuneledger train: ") and line.endswith(f"The log is {run / 'train.log'}.")
+    assert ("resumes from" in line) == (ckpts == "good")

@@ -163,6 +163,31 @@ def test_kill_9_of_the_launcher_leaves_a_log_and_no_orphan_ranks(tmp_path, tiny_
     assert "'loss'" in (run / "train.log").read_text()  # written line by line, not lost in a buffer
 
 
+def test_kill_9_of_torchrun_is_no_success(tmp_path, tiny_model, data):
+    """The ranks lose their agent and stop (they save if they can); the launcher got no signal,
+    so the run was interrupted, not stopped as asked: exit non-zero, and say what happened."""
+    from tuneledger.launch import _child_pids
+
+    run = tmp_path / "run"
+    launcher = start(*args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=60"),
+                     out=tmp_path / "out")
+    try:
+        wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
+                 "the first logged step")
+        torchrun = _child_pids(launcher.pid)
+        assert len(torchrun) == 1
+        os.kill(torchrun[0], signal.SIGKILL)
+        rc = launcher.wait(timeout=600)
+    finally:
+        for pid in processes_of(run / "job.json"):
+            os.kill(pid, signal.SIGKILL)
+    out = (tmp_path / "out").read_text()
+    assert rc != 0, out[-3000:]
+    last = [line for line in out.splitlines() if line.strip()][-1]
+    assert last.startswith("tuneledger train: ") and ("torchrun exited" in last or "a rank failed" in last), last
+    assert "stopped by SIGTERM" not in out
+
+
 # ------------------------------------------------------------------------------------ item 11
 @pytest.fixture
 def tmpfs(tmp_path):

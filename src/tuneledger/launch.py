@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from tuneledger.config import ConfigError
@@ -146,16 +147,17 @@ class _Stopper:
     def __init__(self, proc: subprocess.Popen, grace_s: float):
         self.proc, self.grace_s = proc, grace_s
         self.signal: str | None = None
-        self.killed = False
+        self.killed: str | None = None  # why the ranks were killed: the grace period, or a second Ctrl-C
         self.timer: threading.Timer | None = None
+        self.t_signal = 0.0
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.signal is not None:
             if signum == signal.SIGINT:
-                self.kill()
+                self.kill(f"a second Ctrl-C {time.monotonic() - self.t_signal:.1f} s after the first {self.signal}")
             return
-        self.signal = name
+        self.signal, self.t_signal = name, time.monotonic()
         ranks = _child_pids(self.proc.pid)
         print(f"\n{name}: asking the {len(ranks)} rank(s) to finish their step and save (up to "
               f"{self.grace_s:g} s, stop_grace_period_s){'; Ctrl-C again to kill them now' if signum == signal.SIGINT else ''}",
@@ -163,14 +165,15 @@ class _Stopper:
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        self.timer = threading.Timer(self.grace_s, self.kill)
+        self.timer = threading.Timer(self.grace_s, self.kill,
+                                     args=(f"not stopped within stop_grace_period_s={self.grace_s:g} s of {name}",))
         self.timer.daemon = True
         self.timer.start()
 
-    def kill(self):
+    def kill(self, why: str = "killed"):
         if self.proc.poll() is not None:
             return
-        self.killed = True
+        self.killed = why
         for pid in _child_pids(self.proc.pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # torchrun starts each rank in its own session
@@ -201,7 +204,7 @@ def loopback_env(env: dict) -> dict:
 
 
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None, nodes: Nodes | None = None,
-                rdzv_id: str = "tuneledger") -> int:
+                rdzv_id: str = "tuneledger", outcome: dict | None = None) -> int:
     """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
 
     Output streams to the terminal and, when `log_path` is given, to that file as well. With
@@ -211,6 +214,9 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     their step and save (`_Stopper`; killed after stop_grace_period_s). In a dry-run, Ctrl-C or
     SIGTERM stops torchrun, which stops the ranks, and SIGTERM exits 143. torchrun runs in a
     session of its own and dies with this process (PR_SET_PDEATHSIG), so no rank is left orphaned.
+    `outcome`, if given, gets what the caller's last line must tell: "signal" (the one this
+    launcher got and passed on, or None), "killed" (why the ranks were killed, or None) and
+    "causes" (the failed rank's error lines).
     """
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
@@ -288,9 +294,10 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         if log:
             with contextlib.suppress(OSError):
                 log.close()
+    if outcome is not None:
+        outcome.update(signal=stopper.signal, killed=stopper.killed, causes=failure.causes())
     if stopper.killed:
-        print(f"the ranks did not stop within stop_grace_period_s={stopper.grace_s:g} s of {stopper.signal} and were "
-              "killed; the same command resumes from the last good checkpoint", file=sys.stderr, flush=True)
+        print(f"the ranks were killed: {stopper.killed}", file=sys.stderr, flush=True)
         return 124
     if rc != 0 and failure.causes():
         # A failed rank buries its error in every rank's traceback and torchrun's own: say it once.

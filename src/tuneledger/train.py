@@ -97,6 +97,32 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
     return (str(good) if good else None), None
 
 
+def failure_line(rc: int, outcome: dict, stopped_cleanly: bool, out: Path, log: Path) -> str:
+    """The last line of a train that did not finish: what happened, then what to do, truthfully.
+
+    rc: torchrun's exit code (negative: killed by that signal); outcome: run_workers' outcome;
+    stopped_cleanly: the ranks' own result says they stopped at a signal and saved."""
+    if outcome.get("killed"):
+        what = f"the ranks were killed ({outcome['killed']})"
+    elif stopped_cleanly:
+        # The ranks saw a signal this launcher never got: torchrun died under them (kill -9).
+        what = (f"torchrun exited {rc} without this command being signalled (killed?); the ranks stopped at its "
+                "signal and saved")
+    else:
+        cause = (outcome.get("causes") or [None])[0]
+        what = f"a rank failed (exit {rc})" + (f": {cause}" if cause else "")
+    good, bad = scan(out)
+    aside = list(out.glob(DAMAGED_PREFIX + "checkpoint-*")) if out.is_dir() else []
+    if good:
+        then = f"The last good checkpoint is {good.name}: the same command resumes from it."
+    elif bad or aside:
+        then = ("No checkpoint verifies: the same command refuses; start over with resume_from_checkpoint=never, or "
+                "point resume_from_checkpoint at one you trust.")
+    else:
+        then = "No checkpoint was saved: the same command starts over."
+    return f"tuneledger train: {what}. {then} The log is {log}."
+
+
 def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict) -> int:
     world = nodes.world_size(nproc)
     out = cfg.out_dir
@@ -166,17 +192,17 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     started = datetime.now(timezone.utc)
     log = out / f"train{nodes.suffix()}.log"
     t_launch = time.time()
-    rc = run_workers(job, out / f"job{nodes.suffix()}.json", nproc, log, nodes, rdzv_id=cfg.run_name)
+    outcome: dict = {}
+    rc = run_workers(job, out / f"job{nodes.suffix()}.json", nproc, log, nodes, rdzv_id=cfg.run_name, outcome=outcome)
     t_exit = time.time()
     rows = sampler.stop() if sampler else []
     # torchrun exits non-zero when it was signalled itself (Slurm without B: signals every process),
     # even though the ranks stopped cleanly and saved: their result says so.
     stopped_cleanly = rc != 0 and result_path.is_file() and \
         (json.loads(result_path.read_text()).get("stopped") or {}).get("reason") == "signal"
-    if rc != 0 and not stopped_cleanly:
-        print(f"tuneledger train: a rank failed (exit {rc}); the log is {log}. "
-              "Start the same command again to resume from the last checkpoint.", file=sys.stderr)
-        return rc
+    if rc != 0 and (not stopped_cleanly or outcome.get("killed") or not outcome.get("signal")):
+        print(failure_line(rc, outcome, stopped_cleanly, out, log), file=sys.stderr)
+        return rc if rc > 0 else 128 - rc
     if not nodes.first:  # torchrun returns once every node's ranks are done; node 0 writes the ledger
         print(f"node {nodes.node_rank}: this node's ranks are done; node 0 completes {result_path}")
         return 0
