@@ -30,8 +30,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-IGNORE_INDEX = -100
-CACHE_VERSION = "2"  # bump when encode() changes, so stale caches are not reused
+from tuneledger.tokens import IGNORE_INDEX, encode  # noqa: F401  (encode is part of this module's API)
+
+CACHE_VERSION = "3"  # bump when encode() changes, so stale caches are not reused
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -174,13 +175,17 @@ def _text(obj: dict, field: str, where: str, required: bool = True) -> str | Inv
     return value
 
 
-def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None) -> list[dict] | Invalid:
+def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None,
+                fields: list[str] | None = None) -> list[dict] | Invalid:
     """Normalise one record of any supported format to [{"role", "content"}, ...] or Invalid.
 
     The conversation must be: optional system, then user/assistant alternating, ending with a
-    non-empty assistant reply. `{{key}}` placeholders are filled from `placeholders`; one left
-    unfilled makes the record invalid, since training on a literal `{{name}}` is never wanted.
-    Errors name the record's own field (`output`, `messages[3].role`, `conversations[1].value`).
+    non-empty assistant reply; a record that does not is refused whole (turns are never merged
+    or dropped), and the error lists its roles as written. `{{key}}` placeholders are filled from
+    `placeholders`; one left unfilled makes the record invalid, since training on a literal
+    `{{name}}` is never wanted. Errors name the record's own field (`output`, `messages[3].role`,
+    `conversations[1].value`); an unknown format lists the keys the record has. `fields`, if
+    given, gets the content field of each message returned (for errors found later, in encode).
     """
     if isinstance(obj, Invalid):
         return obj
@@ -192,6 +197,7 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
         return Invalid(where, "<record>", f"holds more than one format ({', '.join(chat + alpaca)}); keep one",
                        "ambiguous format")
     turns: list[tuple[str, str, str, str]] = []  # (role, content, role field, content field)
+    written: list[str] = []  # the chat roles as the record spells them, for errors
     if chat:
         key = chat[0]
         role_key, content_key = ("role", "content") if key == "messages" else ("from", "value")
@@ -216,6 +222,7 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
                 content.field = f"{field}.{content_key}"
                 return content
             turns.append((role, content, f"{field}.{role_key}", f"{field}.{content_key}"))
+            written.append(raw_role)
     elif alpaca:
         parts = {f: _text(obj, f, where, required=f in ("instruction", "output")) for f in ("instruction", "input", "output", "system")}
         for value in parts.values():
@@ -237,18 +244,23 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
         turns += [("user", prompt, "instruction", "instruction" if not parts["input"] else "instruction/input"),
                   ("assistant", parts["output"], "output", "output")]
     else:
-        return Invalid(where, "<record>", "unknown format: expected instruction/output, messages or conversations", "unknown format")
+        keys = ", ".join(repr(k) for k in list(obj)[:12]) + (f" and {len(obj) - 12} more" if len(obj) > 12 else "")
+        return Invalid(where, "<record>", "unknown format: expected instruction/output, messages or conversations; "
+                       f"the record has {f'keys {keys}' if obj else 'no key'}", "unknown format")
 
     # Structure: [system] user assistant (user assistant)*
     body = turns[1:] if turns and turns[0][0] == "system" else turns
+    seq = ", ".join(written or [t[0] for t in turns])
+    policy = (f"roles are {seq}; turns must be [system,] user, assistant, user, assistant, ..., and a record "
+              "that is not is refused whole (no turn is merged or dropped)")
     for j, (role, _, role_field, _) in enumerate(body):
         expected = "user" if j % 2 == 0 else "assistant"
         if role != expected:
-            return Invalid(where, role_field, f"turn {j + 1} is '{role}', expected '{expected}' (turns must alternate "
-                           "user/assistant)", "turns out of order")
+            return Invalid(where, role_field, f"turn {j + 1} is '{role}', expected '{expected}': {policy}",
+                           "turns out of order")
     if not body or body[-1][0] != "assistant":
-        return Invalid(where, body[-1][2] if body else "<record>", "conversation must end with an assistant turn",
-                       "turns out of order")
+        return Invalid(where, body[-1][2] if body else "<record>", f"conversation must end with an assistant turn: "
+                       f"{policy}", "turns out of order")
     for role, content, _, content_field in body:
         if role == "assistant" and not content.strip():
             return Invalid(where, content_field, "empty assistant reply", "empty assistant reply")
@@ -265,56 +277,9 @@ def to_messages(obj: Any, where: str, placeholders: dict[str, str] | None = None
                            f"{{{left.group(1)}: ...}} (or placeholders.{left.group(1)}=... on the command line)",
                            "unfilled placeholder")
         msgs.append({"role": role, "content": content})
+        if fields is not None:
+            fields.append(content_field)
     return msgs
-
-
-# ------------------------------------------------------------------------------------- encoding
-def encode(messages: list[dict], tokenizer: Any, cutoff_len: int, default_system: str | None = None) -> dict:
-    """Render one conversation with the tokenizer's chat template and build its labels.
-
-    Returns {"input_ids": list[int] (<= cutoff_len), "labels": list[int] (same length),
-    "n_tokens": int (before truncation), "n_supervised": int (after truncation),
-    "truncated": bool, "reason": str ("" when trainable)}.
-
-    Assistant spans are found on the rendered text: the render of the turns before a reply with
-    the generation prompt must be a prefix of the full render (true of ChatML templates); the span
-    runs from there to the end of the first end-of-turn token after it. Tokens whose character
-    offsets lie inside a span are supervised.
-    """
-    if default_system is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": default_system}] + messages
-    render = tokenizer.apply_chat_template
-    full = render(messages, tokenize=False)
-    eot = tokenizer.eos_token
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        prefix = render(messages[:i], tokenize=False, add_generation_prompt=True)
-        end = full.find(eot, len(prefix) + len(m["content"]))
-        if not full.startswith(prefix) or end < 0:
-            return {"input_ids": [], "labels": [], "n_tokens": 0, "n_supervised": 0, "truncated": False,
-                    "reason": "chat template renders turns inconsistently (prefix not stable)"}
-        spans.append((len(prefix), end + len(eot)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(ids), dtype=bool)
-    for start, end in spans:
-        mask |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
-    labels = np.where(mask, ids, IGNORE_INDEX)
-    n_tokens = len(ids)
-    ids, labels = ids[:cutoff_len], labels[:cutoff_len]
-    n_sup = int((labels != IGNORE_INDEX).sum())
-    reason = ""
-    if not n_sup and mask.any():
-        # The kind before the colon is what the stats count; the rest says by how much.
-        reason = (f"0 supervised tokens left after cutoff_len: the first assistant reply starts at token "
-                  f"{int(mask.argmax()) + 1} of {n_tokens}, cutoff_len is {cutoff_len}")
-    elif not n_sup:
-        reason = "0 supervised tokens"
-    return {"input_ids": ids.tolist(), "labels": labels.tolist(), "n_tokens": n_tokens, "n_supervised": n_sup,
-            "truncated": n_tokens > cutoff_len, "reason": reason}
 
 
 # ---------------------------------------------------------------------------------------- cache
@@ -373,12 +338,15 @@ class Prepared:
 
 def _encode_batch(batch: dict, tokenizer: Any, cutoff_len: int, default_system: str | None) -> dict:
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_tokens", "n_supervised", "truncated", "reason")}
-    for messages in batch["messages"]:
+    out["field"] = []
+    for messages, fields in zip(batch["messages"], batch["fields"]):
         try:
             enc = encode(messages, tokenizer, cutoff_len, default_system)
         except Exception as e:  # a template or tokenizer fault of one record costs that record only
             enc = {"input_ids": [], "labels": [], "n_tokens": 0, "n_supervised": 0, "truncated": False,
-                   "reason": f"cannot be rendered or tokenized: {type(e).__name__}: {str(e)[:200]}"}
+                   "reason": f"cannot be rendered or tokenized: {type(e).__name__}: {str(e)[:200]}", "turn": -1}
+        turn = enc.pop("turn", -1)
+        out["field"].append(fields[turn] if 0 <= turn < len(fields) else "<record>")
         for k, v in enc.items():
             out[k].append(v)
     return out
@@ -413,7 +381,7 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         saved = json.loads(meta.read_text())
         return Prepared(path, with_batch(saved["report"], cfg), [Invalid(**d) for d in saved["invalid"]], True)
 
-    rows: dict[str, list] = {"messages": [], "where": []}
+    rows: dict[str, list] = {"messages": [], "where": [], "fields": []}
     invalid: list[Invalid] = []
     total = 0
     for src in sources:
@@ -423,31 +391,32 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
                 break
             total += 1
             taken += 1
-            msgs = to_messages(src.convert(obj, where), where, cfg.placeholders)
+            fields: list[str] = []
+            msgs = to_messages(src.convert(obj, where), where, cfg.placeholders, fields)
             if isinstance(msgs, Invalid):
                 msgs.field = src.field_name(msgs.field)
                 invalid.append(msgs)
             else:
                 rows["messages"].append(msgs)
                 rows["where"].append(where)
+                rows["fields"].append([src.field_name(f) for f in fields])
 
     ds = datasets.Dataset.from_dict(rows)
     if len(ds):
         if not progress:
             datasets.disable_progress_bars()
         ds = ds.map(
-            _encode_batch, batched=True, batch_size=64, remove_columns=["messages"],
+            _encode_batch, batched=True, batch_size=64, remove_columns=["messages", "fields"],
             num_proc=min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64)),
             fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
             desc=f"tokenizing {len(ds)} records",
         )
         # The tokenizing bar says how long the wait is; the filter's and the save's (under a second) say nothing.
         datasets.disable_progress_bars()
-        reasons = ds["reason"]
-        for where, reason in zip(ds["where"], reasons):
-            if reason:
-                invalid.append(Invalid(where, "output", reason, reason.split(":", 1)[0]))
-        ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns("reason")
+        for where, field, reason in zip(ds["where"], ds["field"], ds["reason"]):
+            if reason:  # named by the record's own field: `output`, `conversations[1].value`, ...
+                invalid.append(Invalid(where, field, reason, reason.split(":", 1)[0]))
+        ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns(["reason", "field"])
     report = summarize(ds, total, invalid, cfg)
     report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
     # A folder of its own (two runs, or a multi-node job's launchers, may build the same key at
