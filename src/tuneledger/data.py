@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from tuneledger import cache
 from tuneledger.tokens import IGNORE_INDEX, encode  # noqa: F401  (encode is part of this module's API)
 
 CACHE_VERSION = "3"  # bump when encode() changes, so stale caches are not reused
@@ -327,13 +328,15 @@ class Prepared:
 
     `path` holds a `datasets.Dataset` (columns input_ids, labels, n_tokens, n_supervised,
     truncated, where) with only trainable records; `report` is the stats (see `summarize`);
-    `invalid` lists every record left out, with its reason.
+    `invalid` lists every record left out, with its reason. `rebuilt` says what was damaged in
+    the cache found at `path` (set aside and built again), "" when nothing was.
     """
 
     path: Path
     report: dict
     invalid: list[Invalid]
     from_cache: bool
+    rebuilt: str = ""
 
 
 def _encode_batch(batch: dict, tokenizer: Any, cutoff_len: int, default_system: str | None) -> dict:
@@ -357,8 +360,9 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
 
     The cache key covers every data file's sha256, the tokenizer fingerprint, the template,
     default_system, cutoff_len, placeholders and max_samples; a hit loads in well under a second
-    and is what training ranks read, so no rank tokenizes inside the process group.
-    Raises DataError for unreadable files.
+    and is what training ranks read, so no rank tokenizes inside the process group. A cache is a
+    hit only when its seal and ids check out (cache.check); a damaged one is named, set aside and
+    built again (`Prepared.rebuilt`). Raises DataError for unreadable files.
     """
     import datasets
 
@@ -376,10 +380,12 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     if cfg.default_system and bad_text(cfg.default_system):
         raise DataError(f"default_system: {bad_text(cfg.default_system)}")
     path = Path(cfg.cache_dir) / key
-    meta = path / "tuneledger.json"
-    if meta.is_file():
-        saved = json.loads(meta.read_text())
-        return Prepared(path, with_batch(saved["report"], cfg), [Invalid(**d) for d in saved["invalid"]], True)
+    rebuilt = ""
+    if path.exists():  # a hit only once its seal and its ids check out (cache.check)
+        saved, rebuilt = cache.check(path, len(tokenizer))
+        if saved is not None:
+            return Prepared(path, with_batch(saved["report"], cfg), [Invalid(**d) for d in saved["invalid"]], True)
+        print(f"cache damaged: {rebuilt}; set aside as {cache.set_aside(path)}, rebuilding {path}", flush=True)
 
     rows: dict[str, list] = {"messages": [], "where": [], "fields": []}
     invalid: list[Invalid] = []
@@ -419,25 +425,10 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
         ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns(["reason", "field"])
     report = summarize(ds, total, invalid, cfg)
     report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-    # A folder of its own (two runs, or a multi-node job's launchers, may build the same key at
-    # once), renamed into place whole; the first to finish wins and the others drop their copy.
-    import shutil
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{key}.tmp-"))
-    try:
-        ds.save_to_disk(str(tmp))
-        (tmp / "tuneledger.json").write_text(json.dumps({"report": report, "invalid": [i.as_dict() for i in invalid]}, ensure_ascii=False))
-        os.rename(tmp, path)  # atomic; fails if another process put its copy there first
-    except OSError:
-        if not (path / "tuneledger.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # ours, if another process won the race
+    cache.save(ds, path, report, [i.as_dict() for i in invalid])
     if progress:
         datasets.enable_progress_bars()
-    return Prepared(path, with_batch(report, cfg), invalid, False)
+    return Prepared(path, with_batch(report, cfg), invalid, False, rebuilt)
 
 
 def _length_summary(lengths: np.ndarray) -> dict:

@@ -33,15 +33,15 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     if cfg.val_size and prep.report.get("train_records", 1) <= 0:
         return (f"val_size={cfg.val_size:g} holds out all {rec['valid']} valid records of {', '.join(cfg.dataset)}: "
                 "nothing is left to train on; lower val_size")
+    if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
+        return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
+                f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
     train = prep.report.get("train_records", rec["valid"])
     if train < cfg.global_batch_size:
         held = f" ({rec['valid']:,} valid, {rec['valid'] - train:,} held out by val_size={cfg.val_size:g})" if cfg.val_size else ""
         return (f"{train:,} training record(s){held} in {', '.join(cfg.dataset)} are fewer than one global batch "
                 f"(global_batch_size={cfg.global_batch_size}): not one full step. Set global_batch_size to {train} or "
                 f"less (a multiple of micro-batch x world size), or add data")
-    if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
-        return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
-                f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
     return None
 
 
@@ -137,6 +137,8 @@ def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     t.add_row(f"steps per epoch (global batch {r['global_batch_size']})", f"{r['steps_per_epoch']:,}")
     t.add_row("mean tokens per step", f"{r['tokens_per_step']:,.0f}")
     t.add_row("cache", f"{prep.path}{' (hit)' if prep.from_cache else ''}")
+    if prep.rebuilt:  # the damaged cache found there, set aside; this one was built again
+        t.add_row("cache rebuilt (1 damaged)", prep.rebuilt)
     console.print(t)
     print_invalid(prep, cfg)
 
