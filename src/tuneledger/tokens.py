@@ -90,7 +90,7 @@ def _generation_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[t
     return rendered[0], [tuple(s) for s in indices[0]]
 
 
-def _header_spans(tokenizer: Any, msgs: list[dict], full: str, eot: str, k: _Kit) -> list[tuple[int, int]] | dict:
+def _header_spans(tokenizer: Any, msgs: list[dict], full: str, eot: str) -> list[tuple[int, int]] | dict:
     """Each reply's span in `full`: its header's end to the end of the first eot after it."""
     spans, cursor = [], 0
     for i, m in enumerate(msgs):
@@ -159,7 +159,7 @@ def encode(messages: list[dict], tokenizer: Any, cutoff_len: int, default_system
         spans = [(s, e + len(eot)) if full.startswith(eot, e) else (s, e) for s, e in spans]
     else:
         full = _render(tokenizer, marked)
-        spans = _header_spans(tokenizer, marked, full, eot, k)
+        spans = _header_spans(tokenizer, marked, full, eot)
         if isinstance(spans, dict):
             spans["turn"] = max(-1, spans["turn"] - shift)
             return spans
