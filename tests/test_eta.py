@@ -94,6 +94,28 @@ def test_check_puts_predicted_beside_actual_per_part(tmp_path):
     assert "-9.1%" in eta.check_line(c)
 
 
+def test_the_total_is_the_command_s_wall_time_and_the_gap_is_shown(tmp_path):
+    """The parts' sum missed the time between them (45 s reported for 52.3 s on the clock)."""
+    _, row = _ledger(tmp_path, {"preset": "C"})
+    parts = {k: v * 1.0 for k, v in row["eta"]["parts"].items()}
+    act = {"parts": parts, "steps": 10, "step_spread": {"median": 1.0}, "total_s": sum(parts.values()) + 7.3,
+           "unaccounted_s": 7.3}
+    c = eta.check(row["eta"], act, "runs/x/dryrun.json")
+    assert c["total"]["unaccounted_s"] == 7.3 and c["total"]["actual_s"] == round(sum(parts.values()) + 7.3, 1)
+    assert "7.3 s of it between the measured parts" in eta.check_line(c)
+
+
+def test_a_run_too_short_to_measure_says_so_instead_of_nan(tmp_path):
+    _, row = _ledger(tmp_path, {"preset": "C"})
+    parts = {k: 1.0 for k in eta.PARTS}
+    act = {"parts": parts, "steps": 2, "step_spread": {"median": None}, "total_s": sum(parts.values())}
+    c = eta.check(row["eta"], act, "runs/x/dryrun.json")
+    line = eta.check_line(c)
+    assert "nan" not in line and "no step after the warm-up steps" in line
+    assert c["parts"]["eval_s"]["error_pct"] is None  # predicted 0 s: no percentage of it
+    assert all(p["error_pct"] != -100 for p in c["parts"].values())
+
+
 def test_memory_line_names_fragmentation_and_the_fix():
     frag = [{"peak_allocated_mib": 69 * 1024, "peak_reserved_mib": 130 * 1024, "alloc_retries": 3}]
     line = eta.memory_line(frag, 143_771)

@@ -477,3 +477,19 @@ def test_the_last_line_of_a_failed_train_says_what_happened_and_what_to_do(tmp_p
     line = failure_line(rc, outcome, clean, run, run / "train.log")
     assert want in line and line.startswith("tuneledger train: ") and line.endswith(f"The log is {run / 'train.log'}.")
     assert ("resumes from" in line) == (ckpts == "good")
+
+
+def test_the_final_adapter_is_published_at_the_run_root_as_llamafactory_leaves_it(tmp_path):
+    run = tmp_path / "run"
+    c = fake_checkpoint(run, 4)
+    (c / "tokenizer.json").write_text("{}")
+    names = ck.publish_final(c, run)
+    assert "adapter_model.safetensors" in names and "tokenizer.json" in names and "adapter_config.json" in names
+    assert not {"optimizer.pt", "scheduler.pt", "rng_state_0.pth", ck.MANIFEST} & set(names)
+    assert (run / "adapter_model.safetensors").read_bytes() == (c / "adapter_model.safetensors").read_bytes()
+    assert json.loads((run / ck.FINAL).read_text())["checkpoint"] == "checkpoint-4"
+    assert not list(run.glob(".*.tmp")) and ck.problem(c) is None  # the checkpoint itself is untouched
+    (c / "adapter_model.safetensors").write_bytes(b"x" * 10)  # a later publish replaces, never appends
+    c2 = fake_checkpoint(run, 6)
+    ck.publish_final(c2, run)
+    assert (run / "adapter_model.safetensors").read_bytes() == (c2 / "adapter_model.safetensors").read_bytes()

@@ -157,3 +157,34 @@ def set_aside(bad: list[tuple[Path, str]]) -> list[Path]:
 def size_of(ckpt: Path) -> int:
     """Bytes of one checkpoint on disk (every file, the manifest included)."""
     return sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file())
+
+
+# What a resume needs but a user of the adapter does not: kept in checkpoint-N only.
+TRAINING_ONLY = ("optimizer.pt", "scheduler.pt", "trainer_state.json", "training_args.bin", MANIFEST, CONFIG, DATA)
+FINAL = "tuneledger_final.json"  # which checkpoint the adapter at the run's root came from
+
+
+def publish_final(ckpt: Path, out_dir: Path) -> list[str]:
+    """Put the final adapter and tokenizer at the run's root, where LLaMA-Factory leaves them
+    (`output_dir/adapter_model.safetensors`, ...), so tools that follow LF's layout find them.
+    Each file is hard-linked (copied across filesystems) to a temporary name and renamed, so a
+    reader sees the old file or the new one. Returns the names published; writes FINAL last."""
+    import shutil
+
+    ckpt, out_dir = Path(ckpt), Path(out_dir)
+    names = []
+    for f in sorted(ckpt.iterdir()):
+        if not f.is_file() or f.name in TRAINING_ONLY or f.name.startswith("rng_state"):
+            continue
+        tmp = out_dir / f".{f.name}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(f, tmp)
+        except OSError:
+            shutil.copy2(f, tmp)
+        os.replace(tmp, out_dir / f.name)
+        names.append(f.name)
+    final = {"checkpoint": ckpt.name, "step": step_of(ckpt), "files": names}
+    (out_dir / (FINAL + ".tmp")).write_text(json.dumps(final, indent=1))
+    os.replace(out_dir / (FINAL + ".tmp"), out_dir / FINAL)
+    return names

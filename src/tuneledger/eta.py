@@ -206,9 +206,12 @@ def worker_parts(result: dict, t_launch: float, t_exit: float) -> dict:
 
 
 def actual(startup: dict[str, float], result: dict, t_launch: float, t_exit: float, t_end: float, warmup: int,
-           compiled: bool = False) -> dict:
-    """What a train command spent, in PARTS (seconds), and its total (process start to t_end).
-    compiled: the first steps' excess over the median step is compile_s, as predict() splits it."""
+           compiled: bool = False, wall_s: float | None = None) -> dict:
+    """What a train command spent, in PARTS (seconds), and its total. compiled: the first steps'
+    excess over the median step is compile_s, as predict() splits it. wall_s: the command's own
+    wall time, process start to t_end (process_age_s()); then total_s is that, and
+    `unaccounted_s` the time it spent between the measured parts (imports between them, result
+    writing, the sampler); without it total_s is the parts' sum."""
     w = worker_parts(result, t_launch, t_exit)
     warm = sum(w["durations"][:warmup])
     rest = w["durations"][warmup:]
@@ -219,7 +222,9 @@ def actual(startup: dict[str, float], result: dict, t_launch: float, t_exit: flo
                   "saves_s": w["saves_s"],
                   "eval_s": 0.0, "finish_s": w["finish_s"] + (t_end - t_exit)})
     steps = len(w["durations"])
-    return {"parts": parts, "total_s": sum(parts.values()), "steps": steps, "checkpoints": len(w["save_s"]),
+    summed = sum(parts.values())
+    total = wall_s if wall_s is not None else summed
+    return {"parts": parts, "total_s": total, "unaccounted_s": total - summed, "steps": steps, "checkpoints": len(w["save_s"]),
             "warmup_steps": min(warmup, steps), "step_spread": spread(w["durations"][warmup:]),
             "durations": [round(d, 4) for d in w["durations"]]}
 
@@ -255,7 +260,8 @@ def find_prediction(dryrun_json: Path, config: dict, world_size: int, data_hash:
 
 
 def _err(pred: float, act: float) -> float | None:
-    return round((pred - act) / act * 100, 1) if act > 0 else None
+    """% error of a prediction; None where nothing was predicted (0 s) or nothing happened."""
+    return round((pred - act) / act * 100, 1) if act > 0 and pred > 0 else None
 
 
 def check(pred: dict, act: dict, source: str) -> dict:
@@ -268,6 +274,7 @@ def check(pred: dict, act: dict, source: str) -> dict:
         "dryrun": source, "parts": parts,
         "total": {"predicted_s": round(pred["total_s"], 1), "low_s": round(pred["low_s"], 1), "high_s": round(pred["high_s"], 1),
                   "actual_s": round(act["total_s"], 1), "error_pct": _err(pred["total_s"], act["total_s"]),
+                  "unaccounted_s": round(act.get("unaccounted_s", 0.0), 1),
                   "inside_range": pred["low_s"] <= act["total_s"] <= pred["high_s"]},
         "steady_s_per_step": {"dryrun_median": pred["s_per_step"], "train_median": steady,
                               "error_pct": _err(pred["s_per_step"], steady) if steady else None},
@@ -279,10 +286,15 @@ def check(pred: dict, act: dict, source: str) -> dict:
 def check_line(c: dict) -> str:
     t = c["total"]
     where = "inside" if t["inside_range"] else "outside"
+    train = c["steady_s_per_step"]["train_median"]
+    gap = t.get("unaccounted_s") or 0.0
     return (f"ETA check: the dry-run predicted {fmt_h(t['predicted_s'])} ({fmt_h(t['low_s'])} - {fmt_h(t['high_s'])}); "
-            f"this command took {fmt_h(t['actual_s'])}: {t['error_pct']:+.1f}% ({where} the range). "
-            f"Steady s/step: dry-run {c['steady_s_per_step']['dryrun_median']:.3f}, train "
-            f"{c['steady_s_per_step']['train_median'] or float('nan'):.3f}. Per part: train.json eta_check")
+            f"this command took {fmt_h(t['actual_s'])} (process start to exit"
+            + (f"; {gap:.1f} s of it between the measured parts" if abs(gap) >= 0.05 else "") + "): "
+            + (f"{t['error_pct']:+.1f}% ({where} the range). " if t["error_pct"] is not None else "no error to compute. ")
+            + f"Steady s/step: dry-run {c['steady_s_per_step']['dryrun_median']:.3f}, train "
+            + (f"{train:.3f}" if train else "- (no step after the warm-up steps to measure)")
+            + ". Per part: train.json eta_check")
 
 
 def memory_line(ranks: list[dict], total_mib: float | None) -> str | None:

@@ -48,7 +48,9 @@ def loss_plot(log_history: list[dict], png: Path, title: str = "") -> Path | Non
     plt = _figure()
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
-        ax.plot(*zip(*train), label="train loss", color="tab:blue", linewidth=1.2, alpha=0.9)
+        # One logged step is a point, not a line: a line of one point draws nothing.
+        ax.plot(*zip(*train), label="train loss", color="tab:blue", linewidth=1.2, alpha=0.9,
+                marker="o" if len(train) < 3 else None)
     if evals:
         ax.plot(*zip(*evals), label="eval loss", color="tab:orange", marker="o", linewidth=1.2)
     ax.set_xlabel("optimizer step")

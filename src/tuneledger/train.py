@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tuneledger import eta as eta_
-from tuneledger.checkpoints import DAMAGED_PREFIX, MANIFEST, REQUIRED, problem, scan, set_aside
+from tuneledger.checkpoints import DAMAGED_PREFIX, FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside
 from tuneledger.config import JobConfig, add_preset_option, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import total_steps
@@ -245,11 +245,17 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         print("WARNING: report_to=tensorboard, but this run wrote no TensorBoard event file; train.json says "
               "report_to: none", file=sys.stderr)
     if stopped.get("reason") == "signal":
+        if result.get("checkpoint"):  # the run's root always holds its newest adapter, as `export RUN` reads it
+            publish_final(Path(result["checkpoint"]), out)
         print(f"stopped by {stopped['signal']} after step {stopped['step']}: saved {result['checkpoint']}. "
               "The same command resumes from it.")
         return 0
     print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
+    if result.get("checkpoint"):
+        publish_final(Path(result["checkpoint"]), out)
+        print(f"final adapter and tokenizer also at {out}/ (LLaMA-Factory's layout: adapter_model.safetensors, "
+              f"adapter_config.json; {FINAL} names the checkpoint)")
     if result.get("eval"):
         last = result["eval"][-1]
         print(f"eval loss {last['eval_loss']:.4f} at step {last['step']} ({len(result['eval'])} evaluations of "
@@ -279,7 +285,7 @@ def check_eta(result: dict, cfg: Any, startup: dict, stats: dict, nproc: int, cp
     # The warm-up / other steps split as the dry-run made it, so the parts compare one to one.
     warmup = row["eta"]["warmup_steps"] if row else cfg.dryrun_warmup_steps
     compiled = str(result["model"].get("levers", {}).get("compile", "")).startswith("on")
-    act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup, compiled)
+    act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup, compiled, wall_s=eta_.process_age_s())
     result["timing"] = act
     if result.get("resumed_from"):
         result["eta_check"] = {"skipped": "resumed: the dry-run predicted the whole run, this command ran part of it"}
