@@ -493,3 +493,21 @@ def test_the_final_adapter_is_published_at_the_run_root_as_llamafactory_leaves_i
     c2 = fake_checkpoint(run, 6)
     ck.publish_final(c2, run)
     assert (run / "adapter_model.safetensors").read_bytes() == (c2 / "adapter_model.safetensors").read_bytes()
+
+
+def test_stats_names_the_invalid_file_it_really_wrote(tmp_path, capsys):
+    """Beside another run's data, the records go to invalid-<key>.jsonl: the line must say so."""
+    from tuneledger.data import Invalid, Prepared
+    from tuneledger.stats import print_invalid, write
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.json").write_text(json.dumps({"data_path": str(tmp_path / "cache" / "otherkey")}))
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["d.jsonl"], "output_dir": str(run)})
+    report = {"cache_key": "thiskey", "records": {"total": 2, "valid": 1, "invalid": 1, "invalid_by_reason": {}}}
+    prep = Prepared(tmp_path, report, [Invalid("d.jsonl:2", "output", "empty")], False)
+    print_invalid(prep, cfg)
+    write(prep, cfg)
+    out = capsys.readouterr().out
+    assert f"(all of them in {run / 'invalid-thiskey.jsonl'})" in out
+    assert "d.jsonl:2" in (run / "invalid-thiskey.jsonl").read_text() and not (run / "invalid.jsonl").exists()

@@ -86,7 +86,7 @@ def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None)
     rec = prep.report["records"]
     print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
           + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
-    print_invalid(prep, cfg)
+    print_invalid(prep, cfg, training=True)
     problem = gate(prep, cfg)
     write(prep, cfg, gate_passed=not problem, training=True)
     if timings is not None:
@@ -143,14 +143,24 @@ def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     print_invalid(prep, cfg)
 
 
-def print_invalid(prep: Prepared, cfg: JobConfig) -> None:
-    """The first SHOW_INVALID records left out, as plain lines (never wrapped, so they grep)."""
+def print_invalid(prep: Prepared, cfg: JobConfig, training: bool = False) -> None:
+    """The first SHOW_INVALID records left out, as plain lines (never wrapped, so they grep), and
+    the file `write` puts all of them in (invalid.jsonl, or invalid-<hash>.jsonl beside another
+    run's data)."""
+    path = cfg.out_dir / f"invalid{_suffix(prep, cfg, training)}.jsonl"
     for inv in prep.invalid[:SHOW_INVALID]:
         print(f"invalid {inv}")
     if len(prep.invalid) > SHOW_INVALID:
-        print(f"... and {len(prep.invalid) - SHOW_INVALID} more in {cfg.out_dir / 'invalid.jsonl'}")
+        print(f"... and {len(prep.invalid) - SHOW_INVALID} more in {path}")
     elif prep.invalid:
-        print(f"(all of them in {cfg.out_dir / 'invalid.jsonl'})")
+        print(f"(all of them in {path})")
+
+
+def _suffix(prep: Prepared, cfg: JobConfig, training: bool) -> str:
+    """'' when the run directory is this data's (or new), else '-<cache key>' (see write)."""
+    owner = run_data_hash(cfg.out_dir, training_only=training)
+    key = prep.report["cache_key"]
+    return f"-{key}" if owner and owner[0] != key else ""
 
 
 def run_data_hash(out_dir: Path, training_only: bool = False) -> tuple[str, str] | None:
