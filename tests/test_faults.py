@@ -511,3 +511,17 @@ def test_stats_names_the_invalid_file_it_really_wrote(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"(all of them in {run / 'invalid-thiskey.jsonl'})" in out
     assert "d.jsonl:2" in (run / "invalid-thiskey.jsonl").read_text() and not (run / "invalid.jsonl").exists()
+
+
+def test_a_refused_dryrun_on_other_data_leaves_the_runs_stats_alone(tmp_path):
+    from tuneledger.data import Prepared
+    from tuneledger.stats import write
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "dryrun.json").write_text(json.dumps({"data_hash": "firstkey"}))
+    (run / "stats.json").write_text('{"cache_key": "firstkey"}')
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["other.jsonl"], "output_dir": str(run)})
+    report = {"cache_key": "otherkey", "records": {"total": 1, "valid": 1, "invalid": 0, "invalid_by_reason": {}}}
+    path = write(Prepared(tmp_path, report, [], False), cfg, gate_passed=False, training=True)
+    assert path.name == "stats-otherkey.json" and json.loads((run / "stats.json").read_text())["cache_key"] == "firstkey"

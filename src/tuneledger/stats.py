@@ -86,8 +86,8 @@ def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None)
     rec = prep.report["records"]
     print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
           + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
-    print_invalid(prep, cfg, training=True)
     problem = gate(prep, cfg)
+    print_invalid(prep, cfg, training=True, gate_passed=not problem)
     write(prep, cfg, gate_passed=not problem, training=True)
     if timings is not None:
         timings.update(preflight_s=t1 - t0, data_s=time.perf_counter() - t1)
@@ -143,11 +143,11 @@ def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     print_invalid(prep, cfg)
 
 
-def print_invalid(prep: Prepared, cfg: JobConfig, training: bool = False) -> None:
+def print_invalid(prep: Prepared, cfg: JobConfig, training: bool = False, gate_passed: bool = True) -> None:
     """The first SHOW_INVALID records left out, as plain lines (never wrapped, so they grep), and
     the file `write` puts all of them in (invalid.jsonl, or invalid-<hash>.jsonl beside another
     run's data)."""
-    path = cfg.out_dir / f"invalid{_suffix(prep, cfg, training)}.jsonl"
+    path = cfg.out_dir / f"invalid{_suffix(prep, cfg, training and gate_passed)}.jsonl"
     for inv in prep.invalid[:SHOW_INVALID]:
         print(f"invalid {inv}")
     if len(prep.invalid) > SHOW_INVALID:
@@ -191,9 +191,11 @@ def write(prep: Prepared, cfg: JobConfig, gate_passed: bool = True, training: bo
 
     `gate_passed`: whether the data passed `gate` (stats that failed it claim no run directory).
     `training`: written by dryrun or train: only a training's job.json sends these stats beside the
-    run's, and quietly (the resume check refuses changed data, naming both hashes)."""
+    run's, and quietly (the resume check refuses changed data, naming both hashes); a refused
+    start (not `gate_passed`) goes beside whatever data the run already holds."""
     out_dir, key = cfg.out_dir, prep.report["cache_key"]
-    owner = run_data_hash(out_dir, training_only=training)
+    # A start the gate refused claims nothing: it must not rewrite the stats of the run's own data.
+    owner = run_data_hash(out_dir, training_only=training and gate_passed)
     suffix = f"-{key}" if owner and owner[0] != key else ""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = dict(prep.report, dataset=cfg.dataset, model=cfg.model_name_or_path, template=cfg.template,
