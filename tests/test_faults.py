@@ -525,3 +525,17 @@ def test_a_refused_dryrun_on_other_data_leaves_the_runs_stats_alone(tmp_path):
     report = {"cache_key": "otherkey", "records": {"total": 1, "valid": 1, "invalid": 0, "invalid_by_reason": {}}}
     path = write(Prepared(tmp_path, report, [], False), cfg, gate_passed=False, training=True)
     assert path.name == "stats-otherkey.json" and json.loads((run / "stats.json").read_text())["cache_key"] == "firstkey"
+
+
+def test_unfilled_placeholders_name_the_override_that_fills_them(tmp_path):
+    from tuneledger.data import Invalid, Prepared
+    from tuneledger.stats import gate
+
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["identity.json"], "global_batch_size": 1})
+    inv = [Invalid(f"identity.json#{i}", "output", f"unfilled placeholder {{{{{k}}}}}: set placeholders: ...",
+                   "unfilled placeholder") for i, k in enumerate(["name", "author", "name"])]
+    report = {"records": {"total": 4, "valid": 1, "invalid": 3, "invalid_by_reason": {"unfilled placeholder": 3}},
+              "train_records": 1}
+    why = gate(Prepared(tmp_path, report, inv, False), cfg)
+    assert "fill the placeholders: placeholders.author=... placeholders.name=..." in why
+    assert "max_invalid_ratio=0.76" in why

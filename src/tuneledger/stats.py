@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,15 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
         return (f"val_size={cfg.val_size:g} holds out all {rec['valid']} valid records of {', '.join(cfg.dataset)}: "
                 "nothing is left to train on; lower val_size")
     if rec["total"] and rec["invalid"] / rec["total"] > cfg.max_invalid_ratio:
+        fix = "fix the data"
+        # LLaMA-Factory's identity set ships {{name}}/{{author}}: the fix is an override, not an edit.
+        keys = sorted({m.group(1) for inv in prep.invalid if inv.kind == "unfilled placeholder"
+                       for m in [re.search(r"\{\{(\w+)\}\}", inv.reason)] if m})
+        if keys:
+            fix = "fill the placeholders: " + " ".join(f"placeholders.{k}=..." for k in keys) + ", or fix the data"
         return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
-                f"max_invalid_ratio={cfg.max_invalid_ratio}; fix the data or raise max_invalid_ratio")
+                f"max_invalid_ratio={cfg.max_invalid_ratio}; {fix}, or raise it: max_invalid_ratio="
+                f"{min(1.0, round(rec['invalid'] / rec['total'] + 0.005, 2)):g}")
     train = prep.report.get("train_records", rec["valid"])
     if train < cfg.global_batch_size:
         held = f" ({rec['valid']:,} valid, {rec['valid'] - train:,} held out by val_size={cfg.val_size:g})" if cfg.val_size else ""
