@@ -114,3 +114,18 @@ def test_override_types_follow_the_fields():
                    "placeholders": {"name": "A", "author": "B C"}, "lora_rank": 8}
     cfg = load_config(REF, ["placeholders.name=Ledgerly", "placeholders.author=the team", "run_name=on"])
     assert cfg.placeholders == {"name": "Ledgerly", "author": "the team"} and cfg.run_name == "on"
+
+
+def test_an_unknown_preset_is_named_with_the_choices_a_user_types(capsys):
+    import argparse
+
+    from tuneledger.config import add_preset_option
+
+    for allow_all, tail in ((True, "choose one of A, B, C, D or all"), (False, "choose one of A, B, C, D")):
+        p = argparse.ArgumentParser()
+        add_preset_option(p, allow_all=allow_all)
+        with pytest.raises(SystemExit):
+            p.parse_args(["--preset", "E"])
+        err = capsys.readouterr().err
+        assert f"unknown preset 'E'; {tail}" in err and "'ALL'" not in err
+        assert p.parse_args(["--preset", "d"]).preset == "D"

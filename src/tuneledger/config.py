@@ -359,6 +359,10 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] =
     """
     raw = read_yaml_mapping(path, "config") if path is not None else {}
     where = str(path) if path is not None else "command line"
+    from tuneledger.llamafactory_use import benchmark_eval
+
+    if benchmark_eval(raw):  # `task: mmlu_test`: one sentence, not a list of unknown keys
+        raise ConfigError(f"{where}: {benchmark_eval(raw)}")
     over = parse_overrides(list(overrides)) if not isinstance(overrides, dict) else dict(overrides)
     # Every problem of the file and the overrides is reported at once, not one per run.
     lines = key_lines(Path(path)) if path is not None else {}
@@ -464,7 +468,16 @@ def preset_from_cli(items: list[str], option: str | None, allow_all: bool = Fals
 
 def add_preset_option(parser: Any, allow_all: bool = False) -> None:
     """`--preset X` on a verb's parser; cli.main merges it with `preset=X` (preset_from_cli)."""
-    parser.add_argument("--preset", type=str.upper, choices=[*PRESETS, "ALL"] if allow_all else list(PRESETS),
+    def preset(value: str) -> str:  # argparse's own choices message would list 'ALL', as no user types it
+        import argparse
+
+        v = value.upper()
+        if v in PRESETS or (allow_all and v == "ALL"):
+            return v
+        raise argparse.ArgumentTypeError(f"unknown preset '{value}'; choose one of {', '.join(PRESETS)}"
+                                         + (" or all" if allow_all else ""))
+
+    parser.add_argument("--preset", type=preset,
                         metavar="{A,B,C,D,all}" if allow_all else "{A,B,C,D}",
                         help="one preset, or all of them ranked (default: the config's preset)" if allow_all
                         else "the preset (same as preset=X; default: the config's)")

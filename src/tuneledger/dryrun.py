@@ -292,7 +292,7 @@ def eta_markdown(rows: list[dict]) -> list[str]:
     lines += ["", f"Measured by this dry-run: {', '.join(e['measured'])}{no_eval}. "
               f"Steps: all {e['total_steps']:,} at the median s/step (the run's first {e['warmup_steps']} too: timed "
               f"here they took {e.get('warmup_measured_s', 0):.1f} s, with a fresh machine's first-use costs); "
-              f"{e['checkpoints']} saves (every save_steps and the final one) at the save time measured here. "
+              f"{ledger.plural(e['checkpoints'], 'save')} (every save_steps and the final one) at the save time measured here. "
               "The range is the median's 5-95% bootstrap interval over the measured steps."]
     return lines
 

@@ -781,6 +781,12 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
                             n_params=info["total_params"])
     if mode == "train":  # not in a dry-run: a log is a host sync, and would land inside the measured window
         trainer.add_callback(LogLastStep())
+    else:
+        # The Trainer's raw log dicts: a dry-run replays steps from across the run, so their
+        # eta_h and epoch contradict the dry-run's own ETA; StepProgress prints what is true.
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
     progress = job.get("progress") or {}
     trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
                                       later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
