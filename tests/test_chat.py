@@ -74,6 +74,12 @@ def test_chat_cli_one_prompt_and_clear_errors(adapter_run, tmp_path):
     assert p.returncode == 1 and "has no checkpoint with an eval loss" in p.stderr
 
 
+def eval_args(items, **kw):
+    base = dict(items=items, dataset=None, checkpoint=None, base=None, batch_size=None, max_samples=None, out=None,
+                device="cpu", predict=False, max_new_tokens=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
 def test_eval_loss_is_transformers_loss_and_writes_json(adapter_run, tmp_path, capsys):
     import torch
 
@@ -86,8 +92,7 @@ def test_eval_loss_is_transformers_loss_and_writes_json(adapter_run, tmp_path, c
     data = tmp_path / "heldout.json"
     data.write_text(json.dumps(records))
     out = tmp_path / "r.json"
-    args = argparse.Namespace(run=str(adapter_run), dataset=[str(data)], checkpoint=None, base=None, batch_size=2,
-                              max_samples=None, out=str(out), device="cpu")
+    args = eval_args([str(adapter_run)], dataset=[str(data)], batch_size=2, out=str(out))
     assert evaluate.run(args) == 0
     line = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -107,6 +112,78 @@ def test_eval_loss_is_transformers_loss_and_writes_json(adapter_run, tmp_path, c
         nll, n = nll + loss * k, n + k
     assert result["supervised_tokens"] == n
     assert math.isclose(result["loss"], nll / n, rel_tol=1e-4)
+
+
+def test_chat_reads_a_llamafactory_inference_yaml(adapter_run, tiny_model, tmp_path):
+    """LLaMA-Factory's examples/inference/*_lora_sft.yaml: model + adapter + template + backend."""
+    cfg = tmp_path / "infer.yaml"
+    cfg.write_text(f"model_name_or_path: {tiny_model}\nadapter_name_or_path: {adapter_run / 'checkpoint-1'}\n"
+                   "template: llama3\ninfer_backend: huggingface\ntrust_remote_code: true\nmax_new_tokens: 4\n")
+    p = tl("chat", str(cfg), "--prompt", "hi", "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"chat: {tiny_model} + adapter {adapter_run / 'checkpoint-1'}" in p.stderr
+    # The asked template differs from the tokenizer's own: said, not silently rendered as ChatML.
+    assert "template: WARNING llama3 asks for Llama 3, but the tokenizer's own chat template" in p.stderr
+    assert "(ChatML) is what renders" in p.stderr
+    assert "trust_remote_code: no effect" in p.stderr and "infer_backend: chat runs transformers' generate" in p.stderr
+    assert "resum" not in p.stderr  # adapter_name_or_path means the adapter here, not a training resume
+    cfg.write_text(f"model_name_or_path: {tiny_model}\nadapter_name_or_path: a,b\ninfer_backend: vllm\n")
+    p = tl("chat", str(cfg), "--prompt", "hi")
+    assert p.returncode == 2, p.stderr
+    assert f"2 problems in {cfg}" in p.stderr and f"{cfg}:2: adapter_name_or_path: 'a,b'" in p.stderr
+    assert f"{cfg}:3: infer_backend: 'vllm' is not supported by `tuneledger chat`" in p.stderr
+    assert "docker compose --profile serve up serve" in p.stderr
+
+
+def test_eval_predict_yaml_writes_llamafactory_predictions(adapter_run, tiny_model, tmp_path, capsys):
+    """LLaMA-Factory's predict yaml (examples/extras/nlg_eval): do_predict + predict_with_generate
+    generate greedily on eval_dataset; generated_predictions.jsonl holds prompt/predict/label per
+    record, predict_results.json the loss, the same as a plain eval's."""
+    from tuneledger import evaluate
+    from tuneledger.chat import load, reply
+
+    records = [{"instruction": "2+2?", "output": "4."}, {"instruction": "Name a colour.", "output": "Blue."},
+               {"instruction": "", "output": "x"}]  # invalid: neither scored nor predicted
+    data = tmp_path / "heldout.json"
+    data.write_text(json.dumps(records))
+    out = tmp_path / "predict"
+    cfg = tmp_path / "predict.yaml"
+    cfg.write_text(f"model_name_or_path: {tiny_model}\nadapter_name_or_path: {adapter_run}\nstage: sft\n"
+                   f"do_predict: true\nfinetuning_type: lora\neval_dataset: {data}\ntemplate: qwen\ncutoff_len: 64\n"
+                   "max_samples: 50\noverwrite_cache: true\npreprocessing_num_workers: 1\n"
+                   f"output_dir: {out}\noverwrite_output_dir: true\nper_device_eval_batch_size: 1\n"
+                   "predict_with_generate: true\nmax_new_tokens: 3\nddp_timeout: 180000000\n")
+    assert evaluate.run(eval_args([str(cfg)])) == 0
+    line = capsys.readouterr().out
+    assert "2 greedy predictions (at most 3 new tokens each)" in line
+    rows = [json.loads(r) for r in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["4.", "Blue."] and all(set(r) == {"prompt", "predict", "label"} for r in rows)
+    assert rows[0]["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>")  # the run's system prompt
+    assert rows[0]["prompt"].endswith("<|im_start|>assistant\n") and "2+2?" in rows[0]["prompt"]
+    result = json.loads((out / "predict_results.json").read_text())
+    assert result["predict_loss"] == result["loss"] and result["max_new_tokens"] == 3
+
+    # Independently: chat's own greedy reply to the same message, and a plain eval's loss.
+    loaded = load(str(adapter_run), device="cpu")
+    assert rows[0]["predict"].strip() == reply(loaded, [{"role": "user", "content": "2+2?"}], 3, stream=False)
+    plain = tmp_path / "plain.json"
+    assert evaluate.run(eval_args([str(adapter_run)], dataset=[str(data)], out=str(plain))) == 0
+    assert math.isclose(json.loads(plain.read_text())["loss"], result["loss"], rel_tol=1e-6)
+    assert not (tmp_path / "generated_predictions.jsonl").exists()  # no predictions without do_predict
+
+
+def test_benchmark_eval_yaml_gets_one_line(tmp_path):
+    """LLaMA-Factory's examples/train_lora/llama3_lora_eval.yaml (task: mmlu_test): one sentence."""
+    cfg = tmp_path / "mmlu.yaml"
+    cfg.write_text("model_name_or_path: m\nadapter_name_or_path: saves/x\ntrust_remote_code: true\nfinetuning_type: lora\n"
+                   "task: mmlu_test\ntemplate: fewshot\nlang: en\nn_shot: 5\nsave_dir: saves/eval\nbatch_size: 4\n")
+    for verb in ("eval", "train"):
+        p = tl(verb, str(cfg))
+        assert p.returncode == 2, p.stderr
+        msg = p.stderr.strip()
+        assert len(msg.splitlines()) == 1 and "unknown key" not in msg, msg
+        assert "task: mmlu_test" in msg and "benchmark evals" in msg and "not supported" in msg
+        assert "lm-evaluation-harness" in msg and "tuneledger export" in msg
 
 
 @pytest.mark.e2e

@@ -139,3 +139,38 @@ def test_real_model_learns_a_name_and_stops(smollm2_identity_run):
     text = tok.decode(gen)
     assert "Ledgerly" in text, text
     assert gen[-1] == im_end and len(gen) < 64, text  # it stops at its end-of-turn token
+
+
+def test_llamafactory_merge_yaml_exports(tiny_run, tiny_model, tmp_path):
+    """LLaMA-Factory's examples/merge_lora/*_lora_sft.yaml as it is: model, adapter, template, export_dir,
+    export_size, export_device, export_legacy_format."""
+    cfg = tmp_path / "merge.yaml"
+    out = tmp_path / "merged"
+    cfg.write_text(f"### Note: DO NOT use quantized model\nmodel_name_or_path: {tiny_model}\n"
+                   f"adapter_name_or_path: {tiny_run / 'checkpoint-3'}\ntemplate: qwen3_nothink\ntrust_remote_code: true\n"
+                   f"export_dir: {out}\nexport_size: 1\nexport_device: cpu\nexport_legacy_format: false\n")
+    p = tl("export", str(cfg), "--dtype", "fp32", "--max-new-tokens", "4")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    led = json.loads((out / "export.json").read_text())
+    assert led["checkpoint"] == str(tiny_run / "checkpoint-3") and led["base"] == str(tiny_model)
+    assert led["verification"]["passed"] and "device" not in p.stderr
+    assert "template: qwen3_nothink = ChatML, the tokenizer's own chat template" in p.stdout
+    assert "export_legacy_format: the export is safetensors" in p.stderr and "resum" not in p.stderr
+
+
+def test_llamafactory_merge_yaml_refusals_name_what_to_use(tmp_path):
+    cfg = tmp_path / "merge.yaml"
+    cfg.write_text("model_name_or_path: m\nadapter_name_or_path: saves/x\nquantization_bit: 4\nexport_dir: out\n"
+                   "export_quantization_bit: 4\nexport_quantization_dataset: data/c4_demo.json\nexport_legacy_format: true\n"
+                   "export_device: cuda\n")
+    p = tl("export", str(cfg))
+    assert p.returncode == 2
+    assert f"5 problems in {cfg}" in p.stderr
+    assert f"{cfg}:3: quantization_bit: 4 is not supported by `tuneledger export`" in p.stderr and "wrecks" in p.stderr
+    assert f"{cfg}:5: export_quantization_bit" in p.stderr and "tuneledger quantize --merged" in p.stderr
+    assert "--dataset FILES" in p.stderr and "safetensors only" in p.stderr and "cpu or auto" in p.stderr
+    cfg.write_text("model_name_or_path: m\nexport_dir: out\n")  # LLaMA-Factory's GPTQ yaml minus its INT4 keys
+    p = tl("export", str(cfg))
+    assert p.returncode == 2 and "adapter_name_or_path is not set" in p.stderr and "quantize --merged" in p.stderr
+    p = tl("export")
+    assert p.returncode == 2 and "--adapter" in p.stderr

@@ -317,3 +317,43 @@ def test_val_size_holds_out_by_seed_and_shrinks_the_steps():
         load_config(None, ["model_name_or_path=m", "dataset=a.json", "val_size=0.1", "eval_dataset=b.json"])
     with pytest.raises(ConfigError, match="val_size: a count"):
         load_config(None, ["model_name_or_path=m", "dataset=a.json", "val_size=2.5"])
+
+
+# ------------------------------------------------------------------- export, chat and eval configs
+def test_adapter_key_means_the_adapter_in_export_chat_eval_and_is_refused_in_training():
+    from tuneledger.config import FIELDS
+    from tuneledger.llamafactory_use import classify_use
+
+    assert classify("adapter_name_or_path", "saves/x").status == "refused"
+    assert "resumes from its last checkpoint" in classify("adapter_name_or_path", "saves/x").text
+    for verb in ("export", "chat", "eval"):
+        v = classify_use(verb, "adapter_name_or_path", "saves/x", FIELDS)
+        assert v.status == "implemented" and "adapter_config.json" in v.text and "resum" not in v.text
+    assert classify_use("export", "export_size", 5, FIELDS).status == "implemented"
+    assert classify_use("chat", "export_size", 5, FIELDS).status == "ignored"  # not chat's business, not an error
+    assert classify_use("export", "lora_rank", 64, FIELDS).status == "ignored"
+    assert classify_use("eval", "cutoff_len", 64, FIELDS).status == "implemented"
+    assert classify_use("eval", "do_sample", True, FIELDS).status == "refused"
+
+
+def test_benchmark_eval_config_is_one_sentence(tmp_path):
+    f = tmp_path / "mmlu.yaml"
+    f.write_text("model_name_or_path: m\ntask: mmlu_test\ntemplate: fewshot\nlang: en\nn_shot: 5\nsave_dir: s\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert "\n" not in str(e.value) and "task: mmlu_test" in str(e.value) and "lm_eval" in str(e.value)
+
+
+def test_template_line_says_what_renders(tiny_model):
+    from tuneledger.templateinfo import local_chat_template, template_line
+
+    own = local_chat_template(str(tiny_model))
+    assert "<|im_start|>" in own
+    assert template_line("qwen", own, "M") == "template: qwen = ChatML, the tokenizer's own chat template of M (ChatML), which renders"
+    assert template_line("llama3", own, "M").startswith("template: WARNING llama3 asks for Llama 3")
+    assert "as asked" in template_line("tokenizer", own, "M")
+    assert "NOTE 'alpaca' is not a format" in template_line("alpaca", own, "M")
+    assert "data preparation refuses" in template_line("qwen", "{{ '[INST]' }}", "M")
+    p = subprocess.run([sys.executable, "-m", "tuneledger", "stats", str(EVAL), f"model_name_or_path={tiny_model}",
+                        "dataset=x.json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "template: WARNING llama3 asks for Llama 3" in p.stderr  # at the start, before the data is read

@@ -1,10 +1,14 @@
-"""`tuneledger chat RUN`: talk to a trained run in the terminal.
+"""`tuneledger chat RUN|CONFIG.yaml`: talk to a trained run in the terminal.
 
     tuneledger chat RUN                          # runs/RUN/export if there is one, else base + newest adapter
     tuneledger chat RUN --checkpoint best        # base + the checkpoint with the lowest eval loss (or N)
     tuneledger chat RUN --prompt "who are you?"  # one answer, for scripts and tests
+    tuneledger chat lf_inference.yaml            # LLaMA-Factory's inference yaml: model_name_or_path + adapter_name_or_path
 
-RUN is a run name (runs/RUN), a run folder, a checkpoint-N folder or an export folder. The
+RUN is a run name (runs/RUN), a run folder, a checkpoint-N folder or an export folder. A config
+(usecfg: a LLaMA-Factory inference yaml, or a training config naming its run) gives the adapter,
+the base, max_new_tokens, do_sample/temperature and default_system; options on the command line
+win. A `template:` line says which chat template renders and why (templateinfo). The
 conversation is rendered with the model's own chat template and the run's default system prompt;
 tokens stream as they are generated (transformers' TextStreamer) and generation stops at the
 end-of-turn token (`<|im_end|>` for ChatML models) or after --max-new-tokens. Greedy by default;
@@ -15,108 +19,15 @@ conversation, /exit or Ctrl-D leaves.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-
-class ChatError(RuntimeError):
-    """The run, checkpoint or base cannot be found or loaded; the message says which and what to do."""
+from tuneledger.loading import LoadError, Loaded, load, pick, run_dir, stop_ids
 
 
-@dataclass
-class Loaded:
-    model: Any
-    tokenizer: Any
-    source: str  # what was loaded, for the first line printed
-    config: dict  # the run's resolved config (job.json), {} when unknown
-    checkpoint: Path | None  # the adapter's checkpoint, None for an export
-
-
-def run_dir(run: str) -> Path:
-    """A run name (runs/<run>) or a path."""
-    p = Path(run)
-    if p.exists():
-        return p
-    named = Path("runs") / run
-    if named.exists():
-        return named
-    raise ChatError(f"no run {run!r}: neither {p} nor {named} exists")
-
-
-def run_config(path: Path) -> dict:
-    """The resolved config of the run `path` belongs to (its job.json), or {}."""
-    for d in (path, path.parent, path.parent.parent):
-        job = d / "job.json"
-        if job.is_file():
-            return json.loads(job.read_text()).get("config", {})
-    return {}
-
-
-def is_export(path: Path) -> bool:
-    return (path / "config.json").is_file() and not (path / "adapter_config.json").is_file()
-
-
-def pick(path: Path, checkpoint: str | None) -> tuple[str, Path]:
-    """("export", dir) or ("adapter", checkpoint dir) for a run, checkpoint or export folder."""
-    from tuneledger.export import ExportError, find_checkpoint
-
-    if checkpoint is None and is_export(path):
-        return "export", path
-    if checkpoint is None and is_export(path / "export"):
-        return "export", path / "export"
-    target = path if checkpoint is None else path / f"checkpoint-{checkpoint}"
-    try:
-        return "adapter", find_checkpoint(target)
-    except ExportError as e:
-        raise ChatError(str(e)) from None
-
-
-def load(run: str, checkpoint: str | None = None, base: str | None = None, device: str | None = None) -> Loaded:
-    """Load a run's model for inference: its export, or its base with the LoRA adapter on top.
-
-    The base is --base, else the run's model_name_or_path, else the adapter's own record of it.
-    bf16 on CUDA, fp32 on CPU. Raises ChatError when something is missing.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tuneledger.model import load_tokenizer
-
-    path = run_dir(run)
-    kind, where = pick(path, checkpoint)
-    cfg = run_config(where)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if kind == "export":
-        tok = load_tokenizer(str(where))
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
-        return Loaded(model, tok, f"export {where}", cfg, None)
-    from peft import PeftModel
-
-    base = base or cfg.get("model_name_or_path") or json.loads((where / "adapter_config.json").read_text()).get(
-        "base_model_name_or_path")
-    if not base or not Path(base).exists() and "/" not in base:
-        raise ChatError(f"the base model of {where} is unknown or missing ({base!r}); pass --base DIR")
-    try:
-        tok = load_tokenizer(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(device)
-    except OSError as e:
-        raise ChatError(f"cannot load the base {base}: {str(e).splitlines()[0]}; pass --base DIR") from None
-    model = PeftModel.from_pretrained(model, str(where)).eval()
-    return Loaded(model, tok, f"{base} + adapter {where}", cfg, where)
-
-
-def stop_ids(tok: Any) -> list[int]:
-    """Token ids that end an answer: eos (the end-of-turn token, see model.fix_end_of_turn) and
-    `<|im_end|>` when the vocabulary has it."""
-    ids = {tok.eos_token_id}
-    im_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
-    if im_end is not None:
-        ids.add(im_end)
-    return sorted(i for i in ids if i is not None)
+# The model loading is shared with export and eval (tuneledger.loading); these names stay importable here.
+ChatError = LoadError
+__all__ = ["ChatError", "Loaded", "load", "pick", "reply", "run_dir", "stop_ids"]
 
 
 def reply(loaded: Loaded, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,
@@ -164,16 +75,38 @@ def repl(loaded: Loaded, args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply(loaded, history, args.max_new_tokens, args.temperature)})
 
 
+def sampling(use: Any, temperature: float | None) -> float:
+    """The temperature to generate at: --temperature, else the config's (do_sample: false is 0,
+    greedy; do_sample: true without a temperature is LLaMA-Factory's 0.95), else 0."""
+    if temperature is not None:
+        return temperature
+    if use.get("do_sample") is False:
+        return 0.0
+    if use.get("temperature") is not None:
+        return float(use.get("temperature"))
+    return 0.95 if use.get("do_sample") else 0.0
+
+
 def run(args: argparse.Namespace) -> int:
+    from tuneledger.templateinfo import template_line
+    from tuneledger.usecfg import resolve_use
+
+    use = resolve_use("chat", list(args.items))
     try:
-        loaded = load(args.run, args.checkpoint, args.base, args.device)
-    except ChatError as e:
+        loaded = load(use.run, args.checkpoint, args.base or use.base, args.device)
+    except LoadError as e:
         print(f"tuneledger chat: {e}", file=sys.stderr)
         return 1
+    if use.get("default_system") is not None:
+        loaded.config = {**loaded.config, "default_system": use.get("default_system")}
     print(f"chat: {loaded.source}", file=sys.stderr, flush=True)
+    asked = use.get("template", loaded.config.get("template"))
+    print(template_line(asked, loaded.tokenizer.chat_template, loaded.source), file=sys.stderr, flush=True)
     if getattr(loaded.model.config, "tuneledger_synthetic", None):
         print("chat: SYNTHETIC model (random weights): its answers are noise, whatever the training did",
               file=sys.stderr, flush=True)
+    args.max_new_tokens = args.max_new_tokens or int(use.get("max_new_tokens", 256))
+    args.temperature = sampling(use, args.temperature)
     if args.prompt is not None:
         reply(loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
         return 0
@@ -186,12 +119,15 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("chat", help="chat with a trained run (its export, or base + adapter) in the terminal")
-    p.add_argument("run", help="run name (runs/RUN), run folder, checkpoint-N folder or export folder")
+    p.add_argument("items", nargs="+", metavar="RUN|CONFIG.yaml [key=value ...]",
+                   help="run name (runs/RUN), run, checkpoint-N or export folder; or a LLaMA-Factory inference yaml "
+                   "(model_name_or_path, adapter_name_or_path, template, ...) or training config")
     p.add_argument("--checkpoint", help="N or best: base + that checkpoint's adapter (default: the export if there is one, "
                    "else the newest checkpoint)")
-    p.add_argument("--base", help="the base model (default: the run's model_name_or_path)")
+    p.add_argument("--base", help="the base model (default: the config's model_name_or_path, else the run's)")
     p.add_argument("--prompt", help="answer this one message and exit")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples")
+    p.add_argument("--max-new-tokens", type=int, help="default: the config's max_new_tokens, else 256")
+    p.add_argument("--temperature", type=float, help="0: greedy (the default); > 0 samples (default: the config's "
+                   "do_sample/temperature)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when there is one)")
     p.set_defaults(func=run)

@@ -47,6 +47,23 @@ def merge_preset(args: argparse.Namespace) -> None:
     args.items = items + ([f"preset={args.preset}"] if args.preset and args.preset != "ALL" else [])
 
 
+def announce_template(args: argparse.Namespace) -> None:
+    """The `template:` line (templateinfo) at the start of stats, dryrun and train, read from the
+    model folder's files without loading the tokenizer; nothing for a model that is not a local
+    folder (a hub id: its template is known once the verb downloads it). Raises ConfigError."""
+    if args.verb not in ("stats", "dryrun", "train") or not hasattr(args, "items"):
+        return
+    from pathlib import Path
+
+    from tuneledger.config import from_cli
+    from tuneledger.templateinfo import local_chat_template, template_line
+
+    cfg = from_cli(list(args.items))
+    if Path(cfg.model_name_or_path).is_dir():
+        line = template_line(cfg.template, local_chat_template(cfg.model_name_or_path), cfg.model_name_or_path)
+        print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -74,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         merge_preset(args)
+        announce_template(args)
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"tuneledger {args.verb}: config error: {e}", file=sys.stderr)

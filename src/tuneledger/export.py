@@ -1,6 +1,12 @@
 """`tuneledger export`: merge a LoRA adapter into its base in bf16, prove the merge, write it atomically.
 
     tuneledger export --adapter runs/<run>[/checkpoint-N] [--out DIR] [--base DIR] [--dtype bf16|fp32]
+    tuneledger export lf_merge.yaml [key=value ...]   # LLaMA-Factory's merge yaml, or a training config
+
+A config (usecfg) gives adapter_name_or_path (--adapter; a training config: its run),
+model_name_or_path (--base), export_dir (--out), export_size (GB per shard) and export_device
+(cpu or auto); options on the command line win. LLaMA-Factory's INT4 keys (export_quantization_*)
+are refused, naming `tuneledger quantize`, the step that makes INT4 here.
 
 The base is reloaded in bf16 (never 4-bit: merging into quantized weights rounds the LoRA update
 into the 4-bit grid and wrecks the model); a base whose config.json carries a quantization_config
@@ -45,7 +51,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from tuneledger.launch import best_checkpoint, last_checkpoint
+# find_checkpoint and run_conversations are part of this module's API (quantize, tests).
+from tuneledger.loading import LoadError, find_checkpoint, run_conversations  # noqa: F401
 from tuneledger.model import PreflightError, load_tokenizer, read_model_config
 from tuneledger.perms import apply_umask
 
@@ -156,27 +163,6 @@ class ExportError(RuntimeError):
     """The export cannot be made or did not verify; nothing was kept."""
 
 
-def find_checkpoint(path: Path) -> Path:
-    """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
-    is the run's checkpoint with the lowest eval loss (launch.best_checkpoint)."""
-    if (path / "adapter_config.json").is_file():
-        return path
-    if path.name == "checkpoint-best" and not path.exists():
-        best = best_checkpoint(path.parent)
-        if not best:
-            raise ExportError(f"{path.parent} has no checkpoint with an eval loss: the run needs eval data (val_size or "
-                              "eval_dataset) and a checkpoint at an eval step (eval_steps defaults to save_steps)")
-        print(f"best checkpoint: {best[0]} (eval loss {best[1]:.4f})", flush=True)
-        return Path(best[0])
-    found = last_checkpoint(path, require=("adapter_config.json",))
-    if not found:
-        if not path.exists():
-            siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
-            raise ExportError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
-        raise ExportError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
-    return Path(found)
-
-
 def check_base(base: str) -> dict:
     """The base's config.json; refuse a quantized base, saying why."""
     config = read_model_config(base)
@@ -188,27 +174,6 @@ def check_base(base: str) -> dict:
             "Point --base at the bf16 model the adapter was trained on (the QLoRA run quantized it on load; the "
             "files on disk are bf16).")
     return config
-
-
-def run_conversations(cfg: dict, files: list[str], limit: int | None = None) -> list[list[dict]]:
-    """The valid conversations ([{"role", "content"}, ...]) of `files` as a run trained on them:
-    with the placeholders and default system prompt of its resolved config `cfg` (job.json's
-    "config"). At most `limit`. Raises data.DataError for a file that cannot be read."""
-    from tuneledger.data import read_records, to_messages
-
-    system = cfg.get("default_system")
-    out: list[list[dict]] = []
-    for f in files:
-        for where, obj in read_records(f):
-            msgs = to_messages(obj, where, cfg.get("placeholders") or {})
-            if not isinstance(msgs, list):
-                continue
-            if system is not None and msgs[0]["role"] != "system":
-                msgs = [{"role": "system", "content": system}] + msgs
-            out.append(msgs)
-            if limit is not None and len(out) >= limit:
-                return out
-    return out
 
 
 def training_prompts(checkpoint: Path, tokenizer: Any, n: int = 4) -> list[str]:
@@ -285,8 +250,9 @@ def _compare(ref: list[dict], got: list[dict], prompt_lens: list[int], rtol: flo
 
 
 def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16", max_new_tokens: int = 32,
-           device: str | None = None) -> dict:
-    """Merge, verify and write; returns the export ledger. Raises ExportError (nothing kept)."""
+           device: str | None = None, shard_gb: int = 2, asked_template: str | None = None) -> dict:
+    """Merge, verify and write `out` (safetensors shards of at most `shard_gb` GB); returns the
+    export ledger. Raises ExportError (nothing kept), LoadError when the adapter is not found."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -300,6 +266,11 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
     check_base(base)
     tok_src = ckpt if (ckpt / "tokenizer_config.json").is_file() else base
     tokenizer = load_tokenizer(str(tok_src))
+    from tuneledger.loading import run_config
+    from tuneledger.templateinfo import template_line
+
+    print(template_line(asked_template or run_config(ckpt).get("template"), tokenizer.chat_template, str(tok_src)),
+          flush=True)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -322,7 +293,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
         merged.config.use_cache = True
         if hasattr(merged.config, "quantization_config"):
             del merged.config.quantization_config
-        merged.to(torch_dtype).save_pretrained(tmp, max_shard_size="2GB", safe_serialization=True)
+        merged.to(torch_dtype).save_pretrained(tmp, max_shard_size=f"{shard_gb}GB", safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         eot = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         gen = merged.generation_config if merged.generation_config is not None else GenerationConfig()
@@ -369,11 +340,28 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
 
 
 def run(args: argparse.Namespace) -> int:
-    adapter = Path(args.adapter)
+    from tuneledger.config import ConfigError
+    from tuneledger.usecfg import resolve_use
+
+    items = list(args.items)
+    if args.adapter and all("=" in i for i in items):
+        items = [args.adapter] + items
+    if not items:
+        raise ConfigError("what to export: --adapter RUN_OR_CHECKPOINT, or a config (a LLaMA-Factory merge yaml with "
+                          "adapter_name_or_path, or a training config)")
+    use = resolve_use("export", items)
+    adapter = args.adapter or use.run
+    if adapter is None:
+        raise ConfigError(f"{use.where}: export merges an adapter, and adapter_name_or_path is not set; a model without "
+                          "an adapter needs no merge (INT4 of it: tuneledger quantize --merged MODEL)")
+    adapter = Path(adapter) / (f"checkpoint-{args.checkpoint}" if args.checkpoint else "")
+    device = args.device or {"cpu": "cpu", "auto": None}[use.get("export_device", "auto")]
     try:
-        out = Path(args.out) if args.out else find_checkpoint(adapter).parent / "export"
-        led = export(adapter, out, args.base, args.dtype, args.max_new_tokens, args.device)
-    except (ExportError, PreflightError) as e:
+        ckpt = find_checkpoint(adapter)
+        out = Path(args.out or use.get("export_dir") or (ckpt if (ckpt / "job.json").is_file() else ckpt.parent) / "export")
+        led = export(adapter, out, args.base or use.base, args.dtype, args.max_new_tokens, device,
+                     int(use.get("export_size", 2)), use.get("template"))
+    except (ExportError, LoadError, PreflightError) as e:
         print(f"tuneledger export: {e}", file=sys.stderr)
         return 1
     v = led["verification"]
@@ -393,9 +381,15 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("export", help="merge the LoRA into a bf16 base, verify it against base+adapter, save it")
-    p.add_argument("--adapter", required=True, help="a checkpoint-N directory, or a run directory (its last checkpoint)")
-    p.add_argument("--out", help="output directory (default: <run>/export)")
-    p.add_argument("--base", help="the unquantized base model (default: the adapter's base_model_name_or_path)")
+    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
+                   help="a LLaMA-Factory merge yaml (model_name_or_path, adapter_name_or_path, export_dir, export_size, "
+                   "export_device) or a training config (its run)")
+    p.add_argument("--adapter", help="a checkpoint-N directory, or a run directory (its last checkpoint); default: the "
+                   "config's adapter_name_or_path, or its run")
+    p.add_argument("--checkpoint", help="N or best: that checkpoint of the run (default: the newest)")
+    p.add_argument("--out", help="output directory (default: the config's export_dir, else <run>/export)")
+    p.add_argument("--base", help="the unquantized base model (default: the config's model_name_or_path, else the "
+                   "adapter's base_model_name_or_path)")
     p.add_argument("--dtype", choices=sorted(RTOL), default="bf16")
     p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")

@@ -41,7 +41,8 @@ def lf_source() -> str:
 IGNORED: dict[str, str] = {
     "do_train": "`tuneledger train` always trains",
     "do_eval": "evaluation runs when there is eval data (val_size or eval_dataset) and eval_strategy is not 'no'",
-    "do_predict": "training does not predict; score a file with `tuneledger eval RUN --dataset x.json`",
+    "do_predict": "training does not predict; a predict config (do_predict + predict_with_generate) runs as "
+                  "`tuneledger eval CONFIG.yaml`",
     "overwrite_cache": "the tokenized cache is keyed on the data files' sha256, the tokenizer and every setting that "
                        "changes the tokens, so changed input is tokenized again anyway; `make clean-cache` drops it",
     "overwrite_output_dir": "a run resumes from its last checkpoint when its settings match (resume_from_checkpoint: "
@@ -133,7 +134,8 @@ REFUSED: dict[str, str] = {
                  "how a 7B model fits a 24 GB card",
     "fsdp": "tuneledger runs pure DDP; remove fsdp (QLoRA fits a 7B model on one 24 GB card)",
     "fsdp_config": "tuneledger runs pure DDP; remove fsdp_config",
-    "adapter_name_or_path": "starting from an existing adapter is not supported; to go on training a run, start the "
+    # Training only: in export, chat and eval it names the adapter to use (USE_RULES).
+    "adapter_name_or_path": "training from an existing adapter is not supported; to go on training a run, start the "
                             "same run again (it resumes from its last checkpoint)",
     "push_to_hub": "upload runs/<run>/export yourself (huggingface-cli upload)",
 }
@@ -149,7 +151,7 @@ FAMILIES: list[tuple[tuple[str, ...], str]] = [
      "lora_target)"),
     (("vllm_", "sglang_", "infer_", "kt_", "use_kt", "use_v1_kernels", "use_kv_cache"),
      "an inference setting: try the result with `tuneledger chat RUN`"),
-    (("export_",), "use `make export RUN=...` (tuneledger export) and `make quantize`"),
+    (("export_",), "an export setting: a merge config runs as `tuneledger export CONFIG.yaml` (make export CONFIG=...)"),
     (("image_", "video_", "audio_", "media_dir", "crop_to_patches", "use_audio_in_video"),
      "a multimodal setting: tuneledger trains text-only models"),
     (("swanlab_", "use_swanlab"), "use report_to: tensorboard"),
@@ -236,6 +238,7 @@ def doc_row(key: str, fields: set[str]) -> tuple[str, str]:
 def markdown_table() -> str:
     """docs/llamafactory-keys.md: every LLaMA-Factory train key with its status, then our own keys."""
     from tuneledger.config import FIELDS
+    from tuneledger.llamafactory_use import use_table
 
     keys = lf_keys()
     lines = [
@@ -278,5 +281,5 @@ def markdown_table() -> str:
     own = sorted(FIELDS - set(keys))
     lines += ["", "Counts: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", "",
               "## tuneledger's own keys (not in LLaMA-Factory)", "",
-              ", ".join(f"`{k}`" for k in own), ""]
+              ", ".join(f"`{k}`" for k in own), *use_table(), ""]
     return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Finding and loading a trained run's model: shared by the verbs that use one (export, chat, eval).
+
+A run is named by a run name (runs/<run>), a run folder, a checkpoint-N folder or an export
+folder; `find_checkpoint` picks the adapter, `load` builds the model for inference (the export,
+base + adapter, or a model folder alone). Errors are LoadError, naming what is missing and what
+to pass instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tuneledger.launch import best_checkpoint, last_checkpoint
+
+
+class LoadError(RuntimeError):
+    """The run, checkpoint or base cannot be found or loaded; the message says which and what to do."""
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    source: str  # what was loaded, for the first line printed
+    config: dict  # the run's resolved config (job.json), {} when unknown
+    checkpoint: Path | None  # the adapter's checkpoint, None for an export or a model alone
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
+    is the run's checkpoint with the lowest eval loss (launch.best_checkpoint). A run's root holds
+    a copy of its final adapter (checkpoints.FINAL names the checkpoint it came from): that
+    checkpoint is returned while it is there. Raises LoadError."""
+    from tuneledger.checkpoints import FINAL
+
+    if (path / FINAL).is_file():
+        named = path / str(json.loads((path / FINAL).read_text()).get("checkpoint", ""))
+        if named != path and (named / "adapter_config.json").is_file():
+            return named
+    if (path / "adapter_config.json").is_file():
+        return path
+    if path.name == "checkpoint-best" and not path.exists():
+        best = best_checkpoint(path.parent)
+        if not best:
+            raise LoadError(f"{path.parent} has no checkpoint with an eval loss: the run needs eval data (val_size or "
+                            "eval_dataset) and a checkpoint at an eval step (eval_steps defaults to save_steps)")
+        print(f"best checkpoint: {best[0]} (eval loss {best[1]:.4f})", flush=True)
+        return Path(best[0])
+    found = last_checkpoint(path, require=("adapter_config.json",))
+    if not found:
+        if not path.exists():
+            siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
+            raise LoadError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
+        raise LoadError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
+    return Path(found)
+
+
+def run_conversations(cfg: dict, files: list[str], limit: int | None = None) -> list[list[dict]]:
+    """The valid conversations ([{"role", "content"}, ...]) of `files` as a run trained on them:
+    with the placeholders and default system prompt of its resolved config `cfg` (job.json's
+    "config"). At most `limit`. Raises data.DataError for a file that cannot be read."""
+    from tuneledger.data import read_records, to_messages
+
+    system = cfg.get("default_system")
+    out: list[list[dict]] = []
+    for f in files:
+        for where, obj in read_records(f):
+            msgs = to_messages(obj, where, cfg.get("placeholders") or {})
+            if not isinstance(msgs, list):
+                continue
+            if system is not None and msgs[0]["role"] != "system":
+                msgs = [{"role": "system", "content": system}] + msgs
+            out.append(msgs)
+            if limit is not None and len(out) >= limit:
+                return out
+    return out
+
+
+def run_dir(run: str) -> Path:
+    """A run name (runs/<run>) or a path. Raises LoadError when neither exists."""
+    p = Path(run)
+    if p.exists():
+        return p
+    named = Path("runs") / run
+    if named.exists():
+        return named
+    raise LoadError(f"no run {run!r}: neither {p} nor {named} exists")
+
+
+def run_config(path: Path) -> dict:
+    """The resolved config of the run `path` belongs to (its job.json), or {}."""
+    for d in (path, path.parent, path.parent.parent):
+        job = d / "job.json"
+        if job.is_file():
+            return json.loads(job.read_text()).get("config", {})
+    return {}
+
+
+def is_export(path: Path) -> bool:
+    """A model folder (config.json) without an adapter: an export, or any plain model."""
+    return (path / "config.json").is_file() and not (path / "adapter_config.json").is_file()
+
+
+def pick(path: Path, checkpoint: str | None) -> tuple[str, Path]:
+    """("export", dir) or ("adapter", checkpoint dir) for a run, checkpoint or export folder."""
+    if checkpoint is None and is_export(path):
+        return "export", path
+    if checkpoint is None and is_export(path / "export"):
+        return "export", path / "export"
+    return "adapter", find_checkpoint(path if checkpoint is None else path / f"checkpoint-{checkpoint}")
+
+
+def load(run: str | None, checkpoint: str | None = None, base: str | None = None, device: str | None = None) -> Loaded:
+    """Load a model for inference: a run's export, or its base with the LoRA adapter on top, or
+    (run None) the model folder or hub id `base` alone.
+
+    The base is `base`, else the run's model_name_or_path, else the adapter's own record of it.
+    bf16 on CUDA, fp32 on CPU. Raises LoadError when something is missing.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tuneledger.model import load_tokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if run is None:
+        if not base:
+            raise LoadError("no model to load: give a RUN, or model_name_or_path (with adapter_name_or_path for an adapter)")
+        try:
+            tok = load_tokenizer(base)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(device).eval()
+        except OSError as e:
+            raise LoadError(f"cannot load the model {base}: {str(e).splitlines()[0]}") from None
+        return Loaded(model, tok, f"model {base}", run_config(Path(base)) if Path(base).is_dir() else {}, None)
+    path = run_dir(run)
+    kind, where = pick(path, checkpoint)
+    cfg = run_config(where)
+    if kind == "export":
+        tok = load_tokenizer(str(where))
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
+        return Loaded(model, tok, f"export {where}", cfg, None)
+    from peft import PeftModel
+
+    base = base or cfg.get("model_name_or_path") or json.loads((where / "adapter_config.json").read_text()).get(
+        "base_model_name_or_path")
+    if not base or not Path(base).exists() and "/" not in base:
+        raise LoadError(f"the base model of {where} is unknown or missing ({base!r}); pass --base DIR "
+                        "(or model_name_or_path in the config)")
+    try:
+        tok = load_tokenizer(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(device)
+    except OSError as e:
+        raise LoadError(f"cannot load the base {base}: {str(e).splitlines()[0]}; pass --base DIR") from None
+    model = PeftModel.from_pretrained(model, str(where)).eval()
+    return Loaded(model, tok, f"{base} + adapter {where}", cfg, where)
+
+
+def stop_ids(tok: Any) -> list[int]:
+    """Token ids that end an answer: eos (the end-of-turn token, see model.fix_end_of_turn) and
+    `<|im_end|>` when the vocabulary has it."""
+    ids = {tok.eos_token_id}
+    im_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
+    if im_end is not None:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
