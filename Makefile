@@ -190,9 +190,13 @@ dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, 
 train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
 	$(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)
 
-# The run to export: RUN, else the config's run_name.
-EXPORT_RUN = $(or $(RUN),$(shell sed -n 's/^run_name:[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) | head -1))
-EXPORT_OUT = $(or $(OUT),runs/$(EXPORT_RUN)/export)
+# The run of export, chat and eval: RUN (a path when it holds a /, else runs/RUN). Without RUN the
+# verb reads CONFIG itself (a LLaMA-Factory merge/inference/predict yaml, or a training config:
+# its output_dir, else runs/<run_name>), with the model override the training got.
+cfg_key = $(shell sed -n 's/^$(1):[[:space:]]*\([^[:space:]#]*\).*/\1/p' $(CONFIG) 2>/dev/null | head -1)
+RUN_DIR = $(if $(RUN),$(if $(findstring /,$(RUN)),$(RUN),runs/$(RUN)),$(or $(call cfg_key,output_dir),runs/$(call cfg_key,run_name)))
+USE_TARGET = $(if $(RUN),$(RUN_DIR),$(CONFIG) $(MODEL_OVERRIDE))
+EXPORT_OUT = $(or $(OUT),$(if $(RUN),,$(call cfg_key,export_dir)),$(RUN_DIR)/export)
 # `make bench`: one GPU, one table (runs/bench/bench.md, bench.json): tuneledger's presets with the
 # default levers and each lever off, plain transformers + peft + bitsandbytes, and Unsloth where it
 # imports (PYTHONPATH, or a .usite folder). BENCH_RUNS picks the rows (bench/h200_levers.sh).
@@ -203,18 +207,18 @@ bench: $(VENV)/.stamp $(if $(filter 1,$(HAS_GPU)),$(MODEL_DEP)) ## tuneledger's 
 		OUT=runs/bench DEADLINE=$${DEADLINE:-100000} CAP=$${CAP:-3600} $(if $(DATASET),DATASET=$(DATASET)) GPU_TESTS=0 UNSLOTH_PRESETS="D C B A" RUNS="$(BENCH_RUNS)" \
 		PATH=$(abspath $(VENV))/bin:$$PATH bash bench/h200_levers.sh
 
-export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's last checkpoint (or CHECKPOINT=N, CHECKPOINT=best: lowest eval loss) into the bf16 base, verify, save runs/<run>/export; QUANT=awq|gptq then makes the INT4 model
-	$(TL) export --adapter runs/$(EXPORT_RUN)$(if $(CHECKPOINT),/checkpoint-$(CHECKPOINT)) $(if $(OUT),--out $(OUT))
+export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's (a name or a path) or CONFIG's adapter (last checkpoint, or CHECKPOINT=N|best) into the bf16 base, verify, save <run>/export or export_dir; QUANT=awq|gptq then makes the INT4 model
+	$(TL) export $(if $(RUN),--adapter $(RUN_DIR),$(CONFIG) $(MODEL_OVERRIDE)) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(OUT),--out $(OUT))
 	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT) $(QUANT_ARGS))
 
-# Try the result: RUN's export if there is one, else its base + newest adapter (CHECKPOINT=N|best).
-# PROMPT="..." answers once; without it, a conversation in the terminal.
-chat: $(ENV_DEP) ## chat with RUN (its export, or base + adapter; CHECKPOINT=N|best, PROMPT="..." for one answer)
-	$(TL) chat $(EXPORT_RUN) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(PROMPT),--prompt "$(PROMPT)")
+# Try the result: RUN's export if there is one, else its base + newest adapter (CHECKPOINT=N|best);
+# or CONFIG (a LLaMA-Factory inference yaml). PROMPT="..." answers once; without it, a conversation.
+chat: $(ENV_DEP) ## chat with RUN or CONFIG (its export, or base + adapter; CHECKPOINT=N|best, PROMPT="..." for one answer)
+	$(TL) chat $(USE_TARGET) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(PROMPT),--prompt "$(PROMPT)")
 
-eval: $(ENV_DEP) ## loss/perplexity of RUN on DATASET=heldout.json (CHECKPOINT=N|best); one line + runs/<run>/eval-*.json
-	@test -n "$(DATASET)" || { echo "usage: make eval RUN=<run> DATASET=heldout.json"; exit 2; }
-	$(TL) eval $(EXPORT_RUN) --dataset $(DATASET) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+eval: $(ENV_DEP) ## loss/perplexity of RUN on DATASET=heldout.json, or CONFIG=predict.yaml (generated_predictions.jsonl); CHECKPOINT=N|best
+	@test -n "$(DATASET)" -o -z "$(RUN)" || { echo "usage: make eval RUN=<run> DATASET=heldout.json, or make eval CONFIG=predict.yaml"; exit 2; }
+	$(TL) eval $(USE_TARGET) $(if $(DATASET),--dataset $(DATASET)) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
 # The INT4 step (tuneledger quantize) has its own environment: llm-compressor needs torch >= 2.10,
 # the trainer's image and .venv hold torch 2.5.1. In the `quantize` container (Dockerfile.quant) by

@@ -82,3 +82,24 @@ def test_user_data_folder_is_ignored_by_git():
         pytest.skip("not a git checkout")
     p = subprocess.run(["git", "check-ignore", "-q", "data/my-dataset.json"], cwd=ROOT)
     assert p.returncode == 0  # data/ (DATA_DIR's default) never gets committed by accident
+
+
+def test_export_chat_eval_reach_a_run_by_path_or_config(tmp_path):
+    """RUN is a path when it holds a /, else runs/RUN; without RUN the verb reads CONFIG itself
+    (its adapter_name_or_path / output_dir), and QUANT follows export_dir."""
+    line = verb_line(make_n("export", "RUN=../elsewhere", "LOCAL=1").stdout, "export")
+    assert "--adapter ../elsewhere" in line and "runs/../elsewhere" not in line
+    assert "--adapter runs/my-run --checkpoint best" in verb_line(
+        make_n("export", "RUN=my-run", "CHECKPOINT=best", "LOCAL=1").stdout, "export")
+    lf = tmp_path / "lf.yaml"
+    lf.write_text("model_name_or_path: m\nadapter_name_or_path: saves/x/lora/sft\nexport_dir: saves/merged\n")
+    p = make_n("export", f"CONFIG={lf}", "QUANT=awq", "LOCAL=1")
+    assert f"tuneledger export {lf}" in verb_line(p.stdout, "export")
+    assert "--merged saves/merged " in verb_line(p.stdout, "quantize")
+    train = tmp_path / "train.yaml"
+    train.write_text("model_name_or_path: m\ndataset: x.json\noutput_dir: saves/qwen/lora/sft\n")
+    assert f"tuneledger chat {train}" in verb_line(make_n("chat", f"CONFIG={train}", "LOCAL=1").stdout, "chat")
+    assert "--merged saves/qwen/lora/sft/export " in verb_line(
+        make_n("quantize", f"CONFIG={train}", "LOCAL=1").stdout, "quantize")
+    assert "tuneledger eval ../r --dataset h.json" in verb_line(
+        make_n("eval", "RUN=../r", "DATASET=h.json", "LOCAL=1").stdout, "eval")
