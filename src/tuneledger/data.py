@@ -83,44 +83,39 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset file {path} not found")
-    # Bytes that are not UTF-8 become lone surrogates (U+DC80..U+DCFF), found per record below,
-    # so one bad byte costs its record, not the file.
-    text = path.read_bytes().decode("utf-8", errors="surrogateescape").removeprefix(BOM)
-    if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
-        lines = text.split("\n")
-        for lineno, line in enumerate(lines, 1):
-            line = line.removeprefix(BOM)
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            bad = bad_text(line)
-            if bad:
-                yield where, Invalid(where, "<line>", f"{bad} at column {bad_column(line) + 1}", "not UTF-8")
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                cut = " (the last line, with no newline after it: was the file cut short?)" if lineno == len(lines) else ""
-                yield where, Invalid(where, "<line>", f"not valid JSON: {e.msg.removesuffix(' at')} at column {e.colno}{cut}", "not valid JSON")
-            except (ValueError, RecursionError) as e:  # int over Python's digit limit, nesting too deep
-                yield where, Invalid(where, "<line>", f"not valid JSON: {type(e).__name__}: {str(e)[:200]}", "not valid JSON")
-            else:  # the line's bytes were UTF-8: a surrogate now comes from a JSON escape
-                field, bad = _first_bad_text(obj, escaped=True)
-                yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
+    from tuneledger import records
+
+    if path.suffix == ".jsonl" or (path.suffix != ".json" and records.first_char(path) != "["):
+        yield from records.iter_jsonl(path, _parse_line)
         return
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+        for i, obj, raw_surrogates in records.iter_json_list(path):
+            where = f"{path}#{i}"
+            field, bad = _first_bad_text(obj, escaped=not raw_surrogates)
+            yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
+    except records.ListError as e:
+        raise DataError(f"{path}:{e.line}:{e.col}: not valid JSON: {e.msg}") from None
+    except TypeError as e:
+        raise DataError(f"{path}: a .json dataset must be a list of records, got {e}") from None
     except (ValueError, RecursionError) as e:
         raise DataError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
-    if not isinstance(data, list):
-        raise DataError(f"{path}: a .json dataset must be a list of records, got {type(data).__name__}")
-    escaped = not _SURROGATE.search(text)
-    for i, obj in enumerate(data):
-        where = f"{path}#{i}"
-        field, bad = _first_bad_text(obj, escaped)
-        yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
+
+
+def _parse_line(where: str, line: str, last: bool) -> tuple[str, Any]:
+    """One JSONL line -> (where, object or Invalid); `last`: the file's last line, unterminated."""
+    bad = bad_text(line)
+    if bad:
+        return where, Invalid(where, "<line>", f"{bad} at column {bad_column(line) + 1}", "not UTF-8")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        cut = " (the last line, with no newline after it: was the file cut short?)" if last else ""
+        return where, Invalid(where, "<line>", f"not valid JSON: {e.msg.removesuffix(' at')} at column {e.colno}{cut}", "not valid JSON")
+    except (ValueError, RecursionError) as e:  # int over Python's digit limit, nesting too deep
+        return where, Invalid(where, "<line>", f"not valid JSON: {type(e).__name__}: {str(e)[:200]}", "not valid JSON")
+    # The line's bytes were UTF-8: a surrogate now comes from a JSON escape.
+    field, bad = _first_bad_text(obj, escaped=True)
+    return where, Invalid(where, field, bad, "not UTF-8") if bad else obj
 
 
 BOM = "\ufeff"
@@ -387,45 +382,49 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
             return Prepared(path, with_batch(saved["report"], cfg), [Invalid(**d) for d in saved["invalid"]], True)
         print(f"cache damaged: {rebuilt}; set aside as {cache.set_aside(path)}, rebuilding {path}", flush=True)
 
-    rows: dict[str, list] = {"messages": [], "where": [], "fields": []}
+    # Valid records go to an Arrow file in batches as they are read (records.RecordWriter), so
+    # memory holds one batch, not the dataset; tokenizing then reads that file memory-mapped.
+    from tuneledger.records import RecordWriter
+
     invalid: list[Invalid] = []
     total = 0
-    for src in sources:
-        taken = 0  # max_samples caps each dataset, as in LLaMA-Factory
-        for where, obj in (rec for f in src.files for rec in read_records(f)):
-            if cfg.max_samples is not None and taken >= cfg.max_samples:
-                break
-            total += 1
-            taken += 1
-            fields: list[str] = []
-            msgs = to_messages(src.convert(obj, where), where, cfg.placeholders, fields)
-            if isinstance(msgs, Invalid):
-                msgs.field = src.field_name(msgs.field)
-                invalid.append(msgs)
-            else:
-                rows["messages"].append(msgs)
-                rows["where"].append(where)
-                rows["fields"].append([src.field_name(f) for f in fields])
-
-    ds = datasets.Dataset.from_dict(rows)
-    if len(ds):
-        if not progress:
+    writer = RecordWriter(Path(cfg.cache_dir))
+    try:
+        for src in sources:
+            taken = 0  # max_samples caps each dataset, as in LLaMA-Factory
+            for where, obj in (rec for f in src.files for rec in read_records(f)):
+                if cfg.max_samples is not None and taken >= cfg.max_samples:
+                    break
+                total += 1
+                taken += 1
+                fields: list[str] = []
+                msgs = to_messages(src.convert(obj, where), where, cfg.placeholders, fields)
+                if isinstance(msgs, Invalid):
+                    msgs.field = src.field_name(msgs.field)
+                    invalid.append(msgs)
+                else:
+                    writer.add({"messages": msgs, "where": where, "fields": [src.field_name(f) for f in fields]})
+        ds = writer.dataset()
+        if len(ds):
+            if not progress:
+                datasets.disable_progress_bars()
+            ds = ds.map(
+                _encode_batch, batched=True, batch_size=64, remove_columns=["messages", "fields"],
+                num_proc=min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64)),
+                fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
+                desc=f"tokenizing {len(ds)} records",
+            )
+            # The tokenizing bar says how long the wait is; the filter's and the save's (under a second) say nothing.
             datasets.disable_progress_bars()
-        ds = ds.map(
-            _encode_batch, batched=True, batch_size=64, remove_columns=["messages", "fields"],
-            num_proc=min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64)),
-            fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
-            desc=f"tokenizing {len(ds)} records",
-        )
-        # The tokenizing bar says how long the wait is; the filter's and the save's (under a second) say nothing.
-        datasets.disable_progress_bars()
-        for where, field, reason in zip(ds["where"], ds["field"], ds["reason"]):
-            if reason:  # named by the record's own field: `output`, `conversations[1].value`, ...
-                invalid.append(Invalid(where, field, reason, reason.split(":", 1)[0]))
-        ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns(["reason", "field"])
-    report = summarize(ds, total, invalid, cfg)
-    report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-    cache.save(ds, path, report, [i.as_dict() for i in invalid])
+            for where, field, reason in zip(ds["where"], ds["field"], ds["reason"]):
+                if reason:  # named by the record's own field: `output`, `conversations[1].value`, ...
+                    invalid.append(Invalid(where, field, reason, reason.split(":", 1)[0]))
+            ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns(["reason", "field"])
+        report = summarize(ds, total, invalid, cfg)
+        report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
+        cache.save(ds, path, report, [i.as_dict() for i in invalid])
+    finally:  # the batches and the tokenizer's map files under it, however this ends
+        writer.remove()
     if progress:
         datasets.enable_progress_bars()
     return Prepared(path, with_batch(report, cfg), invalid, False, rebuilt)

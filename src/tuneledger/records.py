@@ -1,0 +1,203 @@
+"""Records read as a stream: a JSONL file line by line and a JSON list value by value, so reading
+a dataset holds one record (and one chunk of the file) in memory, not the file and all of its
+parsed objects (an 839 MB alpaca list held about 12 GB as Python objects).
+
+`iter_jsonl` and `iter_json_list` yield (location, parsed object or data.Invalid), with the same
+locations, reasons and errors as reading the whole file did (tests/test_records.py checks both
+ways agree on the demo data and on every bad-input fixture). data.read_records picks one by the
+file's suffix, or by its first byte for other suffixes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+BOM = "\ufeff"
+CHUNK = 1 << 20  # bytes of a JSON list read at a time
+NUMBER_CHARS = set("0123456789+-.eE")
+
+
+def _decode(raw: bytes) -> str:
+    # Bytes that are not UTF-8 become lone surrogates (U+DC80..U+DCFF), found per record later,
+    # so one bad byte costs its record, not the file.
+    return raw.decode("utf-8", errors="surrogateescape")
+
+
+def first_char(path: Path) -> str:
+    """The file's first character that is not whitespace or a byte-order mark ('' if none)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(4096):
+            text = _decode(chunk).lstrip().removeprefix(BOM).lstrip()
+            if text:
+                return text[0]
+    return ""
+
+
+def iter_jsonl(path: Path, parse_line: Callable[[str, str, bool], tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Each non-blank line of a JSONL file through `parse_line(where, line, is_last_unterminated)`.
+    A UTF-8 byte-order mark is accepted at the start of the file and of any line."""
+    with open(path, "rb") as f:
+        lineno = 0
+        for raw in f:
+            lineno += 1
+            last = not raw.endswith(b"\n")
+            line = _decode(raw.rstrip(b"\n")).removeprefix(BOM)
+            if lineno == 1:
+                line = line.removeprefix(BOM)
+            if line.strip():
+                yield parse_line(f"{path}:{lineno}", line, last)
+
+
+class ListError(ValueError):
+    """The JSON list does not parse: `message` with 1-based line and column."""
+
+    def __init__(self, msg: str, line: int, col: int):
+        super().__init__(f"{line}:{col}: {msg}")
+        self.msg, self.line, self.col = msg, line, col
+
+
+def iter_json_list(path: Path) -> Iterator[tuple[int, Any, bool]]:
+    """(index, parsed value, its text held a lone surrogate) of each element of a file holding one
+    JSON list, parsed value by value (json.JSONDecoder.raw_decode over a sliding buffer of about
+    CHUNK characters).
+
+    Raises ListError (line:column, as json.loads reports them) where the text is not JSON, and
+    TypeError (the value's type name) when the file's value is not a list."""
+    import codecs
+
+    dec = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    st = {"buf": "", "pos": 0, "done": False, "base": 0, "lines": 1, "last_nl": -1}
+
+    with open(path, "rb") as f:
+        def fill() -> bool:
+            if st["done"]:
+                return False
+            raw = f.read(CHUNK)
+            if not raw:  # the end: leave the buffer where it is, so error positions still hold
+                st["done"] = True
+                tail = utf8.decode(b"", final=True)
+                st["buf"] += tail
+                return bool(tail)
+            drop = st["buf"][:st["pos"]]
+            nl = drop.count("\n")
+            if nl:
+                st["last_nl"] = st["base"] + drop.rfind("\n")
+            st["lines"] += nl
+            st["base"] += len(drop)
+            st["buf"] = st["buf"][st["pos"]:] + utf8.decode(raw)
+            st["pos"] = 0
+            return True
+
+        def where(p: int) -> tuple[int, int]:
+            head = st["buf"][:p]
+            nl = head.count("\n")
+            last = st["base"] + head.rfind("\n") if nl else st["last_nl"]
+            return st["lines"] + nl, st["base"] + p - last
+
+        def peek() -> str:
+            while True:
+                buf, pos = st["buf"], st["pos"]
+                while pos < len(buf) and (buf[pos] in " \t\r\n" or (buf[pos] == BOM and st["base"] + pos == 0)):
+                    pos += 1
+                st["pos"] = pos
+                if pos < len(buf):
+                    return buf[pos]
+                if not fill():
+                    return ""
+
+        def value() -> tuple[Any, str]:
+            while True:
+                try:
+                    v, end = dec.raw_decode(st["buf"], st["pos"])
+                except json.JSONDecodeError as e:
+                    if fill():  # cut by the buffer's end, most likely: read on (to the file's end, at worst)
+                        continue
+                    raise ListError(e.msg, *where(e.pos)) from None
+                if isinstance(v, (int, float)) and not st["done"] and \
+                        all(ch in NUMBER_CHARS for ch in st["buf"][end:]) and fill():
+                    continue  # a number (or its exponent) may go on past the buffer: parse it again when whole
+                text = st["buf"][st["pos"]:end]
+                st["pos"] = end
+                return v, text
+
+        fill()
+        c = peek()
+        if c == "":
+            raise ListError("Expecting value", *where(st["pos"]))
+        if c != "[":
+            v, _ = value()
+            raise TypeError(type(v).__name__)
+        st["pos"] += 1
+        if peek() == "]":
+            st["pos"] += 1
+        else:
+            index = 0
+            while True:
+                if peek() == "":
+                    raise ListError("Expecting value", *where(st["pos"]))
+                v, text = value()
+                yield index, v, any("\ud800" <= ch <= "\udfff" for ch in text)
+                index += 1
+                c = peek()
+                if c == ",":
+                    st["pos"] += 1
+                elif c == "]":
+                    st["pos"] += 1
+                    break
+                else:
+                    raise ListError("Expecting ',' delimiter" if c else "Expecting ',' delimiter", *where(st["pos"]))
+        if peek() != "":
+            raise ListError("Extra data", *where(st["pos"]))
+
+
+class RecordWriter:
+    """Normalised records ({"messages": [{"role", "content"}...], "where", "fields"}) written to
+    an Arrow stream file in batches of BATCH under a temporary folder of `parent`, then opened
+    memory-mapped as a datasets.Dataset (`dataset()`); `remove()` deletes the folder."""
+
+    BATCH = 2048
+
+    def __init__(self, parent: Path):
+        import tempfile
+
+        import pyarrow as pa
+
+        parent.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(dir=parent, prefix=".records-"))
+        turn = pa.struct([("role", pa.string()), ("content", pa.string())])
+        self.schema = pa.schema([("messages", pa.list_(turn)), ("where", pa.string()), ("fields", pa.list_(pa.string()))])
+        self.path = self.dir / "records.arrow"
+        self.rows: list[dict] = []
+        self.n = 0
+        self._sink = pa.OSFile(str(self.path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, self.schema)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.rows:
+            self._writer.write_batch(pa.RecordBatch.from_pylist(self.rows, schema=self.schema))
+            self.n += len(self.rows)
+            self.rows = []
+
+    def dataset(self) -> Any:
+        """The records as a memory-mapped datasets.Dataset (columns messages, where, fields)."""
+        import datasets
+
+        self._flush()
+        self._writer.close()
+        self._sink.close()
+        return datasets.Dataset.from_file(str(self.path), in_memory=False)
+
+    def remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
