@@ -85,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
     saved.update({k: v for k, v in use.job.items() if k not in ("dataset", "eval_dataset", "max_samples")})
     saved.update({"dataset": dataset, "model_name_or_path": saved.get("model_name_or_path") or "(export)",
                   "max_samples": args.max_samples or use.get("max_samples"), "val_size": 0, "eval_dataset": None})
-    cfg = JobConfig(**{k: v for k, v in saved.items() if k in JobConfig.model_fields})
+    try:
+        cfg = JobConfig(**{k: v for k, v in saved.items() if k in JobConfig.model_fields})
+    except ValueError as e:  # pydantic's ValidationError: a bad value in the config or the run's job.json
+        raise ConfigError(f"{use.where}: {e}") from None
     print(template_line(cfg.template, loaded.tokenizer.chat_template, loaded.source), file=sys.stderr, flush=True)
     try:
         prep = prepare(cfg, loaded.tokenizer, progress=False)
