@@ -92,3 +92,16 @@ def test_ids_outside_the_vocabulary_name_the_cache_even_with_a_good_seal(built):
     small = max(max(r) for r in rows["input_ids"])  # the largest id: a vocabulary one short of it
     saved, why = cache.check(prep.path, vocab_size=small)
     assert saved is None and why == f"{prep.path}: input_ids hold {small}, outside 0..{small - 1}"
+
+
+def test_the_same_bytes_at_another_path_get_their_own_cache_and_names(tmp_path, tiny_model, qwen_tokenizer):
+    """A copy of a data file is tokenized for itself: the report and the invalid records name the
+    file that was read, so a resume compares the right file (issue 20, a fresh tester's find)."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in GOOD) + '{"instruction": "x"}\n'
+    a.write_text(text)
+    b.write_text(text)
+    pa = prepare(cfg_for(tmp_path, tiny_model, [a], cutoff_len=256), qwen_tokenizer, progress=False)
+    pb = prepare(cfg_for(tmp_path, tiny_model, [b], cutoff_len=256), qwen_tokenizer, progress=False)
+    assert pa.path != pb.path and not pb.from_cache
+    assert list(pb.report["data_files"]) == [str(b)] and all(str(b) in i.where for i in pb.invalid) and pb.invalid

@@ -436,10 +436,14 @@ def test_fewer_records_than_one_global_batch_is_refused_before_launch(tmp_path, 
                              "val_size": val_size})
     report = {"records": {"total": valid, "valid": valid, "invalid": 0, "invalid_by_reason": {}},
               "train_records": train}
-    why = gate(Prepared(tmp_path, report, [], False), cfg)
-    assert why and needle in why and f"Set global_batch_size to {train} or less" in why
+    why = gate(Prepared(tmp_path, report, [], False), cfg, world=2)
+    fits = train // 2 * 2
+    assert why and needle in why and f"The largest global batch that works on 2 rank(s) is {fits}: global_batch_size={fits}" in why
+    assert load_config(None, {"model_name_or_path": "m", "dataset": ["d.jsonl"], "global_batch_size": fits,
+                              "per_device_train_batch_size": 1})  # the advice is a config that loads
+    assert "fewer than the 4 ranks too" in gate(Prepared(tmp_path, {**report, "train_records": 3}, [], False), cfg, world=4)
     report["train_records"] = 16
-    assert gate(Prepared(tmp_path, report, [], False), cfg) is None
+    assert gate(Prepared(tmp_path, report, [], False), cfg, world=2) is None
 
 
 def test_a_second_ctrl_c_is_named_as_such_not_as_the_grace_period():

@@ -371,7 +371,10 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     tok_fp = tokenizer_fingerprint(tokenizer)
     key = cache_key(list(hashes.values()), tok_fp, "chatml" if is_chatml_name(cfg.template) else "tokenizer", cfg.cutoff_len,
                     {"system": cfg.default_system, "placeholders": cfg.placeholders, "max_samples": cfg.max_samples,
-                     "sources": [s.spec() for s in sources]})
+                     "sources": [s.spec() for s in sources],
+                     # The paths too: the cached report and invalid records name them, and a resume
+                     # compares them (the same bytes at another path must not pass for the first file).
+                     "files": list(hashes)})
     if cfg.default_system and bad_text(cfg.default_system):
         raise DataError(f"default_system: {bad_text(cfg.default_system)}")
     path = Path(cfg.cache_dir) / key

@@ -489,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
         raise errors[0]
     out_root = base.out_dir
     try:
-        prep = prepare_for_training(base, cpu, startup)
+        prep = prepare_for_training(base, cpu, startup, world)
         if not prep.from_cache:
             # The train after this dry-run finds the cache made now: time that load, not the tokenizing.
             t0 = time.perf_counter()

@@ -22,8 +22,9 @@ from tuneledger.model import (PreflightError, check_embedding_rows, check_remote
 SHOW_INVALID = 10  # printed; all of them go to invalid.jsonl
 
 
-def gate(prep: Prepared, cfg: JobConfig) -> str | None:
-    """Why this dataset must not be trained on, or None. Shared by stats, dryrun and train."""
+def gate(prep: Prepared, cfg: JobConfig, world: int = 1) -> str | None:
+    """Why this dataset must not be trained on, or None. Shared by stats, dryrun and train;
+    `world` (ranks) makes the advice for too few records a global batch that works."""
     rec = prep.report["records"]
     if rec["total"] == 0:
         return f"no record in {', '.join(cfg.dataset)}: the data files hold no record"
@@ -47,9 +48,13 @@ def gate(prep: Prepared, cfg: JobConfig) -> str | None:
     train = prep.report.get("train_records", rec["valid"])
     if train < cfg.global_batch_size:
         held = f" ({rec['valid']:,} valid, {rec['valid'] - train:,} held out by val_size={cfg.val_size:g})" if cfg.val_size else ""
-        return (f"{train:,} training record(s){held} in {', '.join(cfg.dataset)} are fewer than one global batch "
-                f"(global_batch_size={cfg.global_batch_size}): not one full step. Set global_batch_size to {train} or "
-                f"less (a multiple of micro-batch x world size), or add data")
+        head = (f"{train:,} training record(s){held} in {', '.join(cfg.dataset)} are fewer than one global batch "
+                f"(global_batch_size={cfg.global_batch_size}): not one full step. ")
+        if train < world:
+            return head + f"They are fewer than the {world} ranks too: add data, or run on {train} rank(s) or fewer"
+        fits = train // world * world  # micro-batch 1 x accumulation fits/world makes any multiple of the ranks
+        return head + (f"The largest global batch that works on {world} rank(s) is {fits}: global_batch_size={fits}"
+                       + (" per_device_train_batch_size=1" if world > 1 else "") + ", or add data")
     return None
 
 
@@ -74,7 +79,7 @@ def checked_tokenizer(cfg: JobConfig, model_checked: bool = False) -> Any:
     return tokenizer
 
 
-def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None) -> Prepared:
+def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None, world: int = 1) -> Prepared:
     """What dry-run and train do before any rank starts: the preflight checks (printed), the
     tokenized data (from the cache, or made now, in this process), and the data gate.
     `timings`, if given, gets preflight_s and data_s (seconds, for the ETA).
@@ -94,7 +99,7 @@ def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None)
     rec = prep.report["records"]
     print(f"records: {rec['total']:,} total, {rec['valid']:,} valid, {rec['invalid']:,} invalid"
           + "".join(f"\n  invalid: {kind}: {n:,}" for kind, n in rec["invalid_by_reason"].items()))
-    problem = gate(prep, cfg)
+    problem = gate(prep, cfg, world)
     print_invalid(prep, cfg, training=True, gate_passed=not problem)
     write(prep, cfg, gate_passed=not problem, training=True)
     if timings is not None:
@@ -222,13 +227,14 @@ def write(prep: Prepared, cfg: JobConfig, gate_passed: bool = True, training: bo
 
 def run(args: argparse.Namespace) -> int:
     cfg = from_cli(args.items)
+    from tuneledger.launch import processes
+
+    world = processes(args.cpu, args.nproc)[1]
     if cfg.batch_from_accumulation:
         # Its global batch is a multiple of the world size: count the ranks as train will, or
         # steps per epoch is off by that factor.
         from tuneledger.config import resolve
-        from tuneledger.launch import processes
 
-        world = processes(args.cpu, args.nproc)[1]
         cfg = resolve(cfg, world)
         print(f"global batch {cfg.global_batch_size} = micro-batch {cfg.per_device_train_batch_size} x gradient "
               f"accumulation {cfg.gradient_accumulation_steps} x world size {world} (--nproc / NPROC to change)")
@@ -239,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuneledger stats: {e}", file=sys.stderr)
         return 1
     render(prep, cfg, tokenizer)
-    problem = gate(prep, cfg)
+    problem = gate(prep, cfg, world)
     path = write(prep, cfg, gate_passed=not problem)
     print(f"wrote {path}")
     if problem:

@@ -127,7 +127,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     world = nodes.world_size(nproc)
     out = cfg.out_dir
     try:
-        prep = prepare_for_training(cfg, cpu, startup)
+        prep = prepare_for_training(cfg, cpu, startup, world)
         eval_prep = prepare_eval(cfg)
     except (PreflightError, DataError) as e:
         print(f"tuneledger train: {e}", file=sys.stderr)
@@ -223,7 +223,8 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
                  "no checkpoint is known good" + (f" ({bad[0][0].name}: {bad[0][1]})" if bad else " (none was saved)"))
         print(f"tuneledger train: loss {stopped['loss']} / grad norm {stopped['grad_norm']} at step {stopped['step']} "
               f"(finite until step {stopped['last_finite_step']}): stopped, that step not saved; {known}. Lower "
-              f"learning_rate (now {cfg.learning_rate:g}) or check the data, then start over with another run_name.",
+              f"learning_rate (now {cfg.learning_rate:g}) or check the data, then start over: resume_from_checkpoint=never "
+              f"in {out}, or a new folder ({'output_dir' if cfg.output_dir else 'run_name'}=...).",
               file=sys.stderr)
         return 3
     total_mib = None
@@ -247,7 +248,8 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     if stopped.get("reason") == "signal":
         if result.get("checkpoint"):  # the run's root always holds its newest adapter, as `export RUN` reads it
             publish_final(Path(result["checkpoint"]), out)
-        print(f"stopped by {stopped['signal']} after step {stopped['step']}: saved {result['checkpoint']}. "
+        # The signal this command got (Ctrl-C is SIGINT), not the SIGTERM it passed on to the ranks.
+        print(f"stopped by {outcome.get('signal') or stopped['signal']} after step {stopped['step']}: saved {result['checkpoint']}. "
               "The same command resumes from it.")
         return 0
     print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "

@@ -267,8 +267,11 @@ def disk_full_message(ckpt: Path, need: int | None, good: Path | None) -> str:
     free = shutil.disk_usage(next((p for p in [ckpt, *ckpt.parents] if p.exists()), Path("."))).free
     return (f"disk full while saving {ckpt}: a checkpoint needs {need:,} bytes" if need else
             f"disk full while saving {ckpt}: a checkpoint needs more") + (
-        f", {free:,} bytes are free there. The last good checkpoint, {good or 'none yet'}, is kept. Free space or lower "
-        "save_total_limit, then run the same command to resume from it.")
+        f", {free:,} bytes are free there. " + (
+            f"The last good checkpoint, {good}, is kept. Free space or lower save_total_limit, then run the same "
+            "command to resume from it." if good else
+            "No checkpoint was saved before it. Free space or lower save_total_limit, then run the same command: it "
+            "starts over."))
 
 
 class SealCheckpoint(TrainerCallback):
