@@ -543,3 +543,22 @@ def test_unfilled_placeholders_name_the_override_that_fills_them(tmp_path):
     why = gate(Prepared(tmp_path, report, inv, False), cfg)
     assert "fill the placeholders: placeholders.author=... placeholders.name=..." in why
     assert "max_invalid_ratio=0.76" in why
+
+
+def test_export_and_chat_load_only_checkpoints_that_verify(tmp_path, capsys):
+    """Given a checkpoint folder itself, or a run whose checkpoints are all bad, the loader names
+    what is wrong instead of merging damaged weights (a fresh tester's find)."""
+    from tuneledger.loading import LoadError, find_checkpoint
+
+    run = tmp_path / "run"
+    good = fake_checkpoint(run, 2)
+    flipped = fake_checkpoint(run, 4)
+    f = flipped / "adapter_model.safetensors"
+    f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:])
+    with pytest.raises(LoadError, match="checkpoint-4 does not verify: .*content hash"):
+        find_checkpoint(flipped)
+    assert find_checkpoint(run) == good
+    assert "checkpoint-4 skipped:" in capsys.readouterr().err
+    ck.write_manifest(good, 2, {"loss": 1.0, "grad_norm": 1.0, "max_abs_weight": 1e30, "finite_weights": True})
+    with pytest.raises(LoadError, match="no checkpoint of .* verifies: .*checkpoint-2: .*not good"):
+        find_checkpoint(run)

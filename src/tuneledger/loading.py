@@ -9,6 +9,7 @@ to pass instead.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,18 @@ def find_checkpoint(path: Path) -> Path:
     is the run's checkpoint with the lowest eval loss (launch.best_checkpoint). A run's root holds
     a copy of its final adapter (checkpoints.FINAL names the checkpoint it came from): that
     checkpoint is returned while it is there. Raises LoadError."""
-    from tuneledger.checkpoints import FINAL
+    from tuneledger.checkpoints import FINAL, MANIFEST, problem, scan
 
     if (path / FINAL).is_file():
         named = path / str(json.loads((path / FINAL).read_text()).get("checkpoint", ""))
-        if named != path and (named / "adapter_config.json").is_file():
+        if named != path and (named / "adapter_config.json").is_file() and problem(named) is None:
             return named
-    if (path / "adapter_config.json").is_file():
+    elif (path / "adapter_config.json").is_file():
+        # A sealed checkpoint is used only if it verifies (files, hashes, health); an adapter
+        # folder from elsewhere (no manifest) is used as it is.
+        why = problem(path) if (path / MANIFEST).is_file() else None
+        if why:
+            raise LoadError(f"{path} does not verify: {why}")
         return path
     if path.name == "checkpoint-best" and not path.exists():
         best = best_checkpoint(path.parent)
@@ -49,11 +55,17 @@ def find_checkpoint(path: Path) -> Path:
                             "eval_dataset) and a checkpoint at an eval step (eval_steps defaults to save_steps)")
         print(f"best checkpoint: {best[0]} (eval loss {best[1]:.4f})", flush=True)
         return Path(best[0])
+    good, bad = scan(path) if path.is_dir() else (None, [])
+    newer = [(p, why) for p, why in bad if good is None or int(p.name.split("-")[1]) > int(good.name.split("-")[1])]
+    for p, why in newer:
+        print(f"WARNING: {p.name} skipped: {why}", file=sys.stderr, flush=True)
     found = last_checkpoint(path, require=("adapter_config.json",))
     if not found:
         if not path.exists():
             siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
             raise LoadError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
+        if bad:
+            raise LoadError(f"no checkpoint of {path} verifies: " + "; ".join(f"{p.name}: {why}" for p, why in bad))
         raise LoadError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
     return Path(found)
 
