@@ -30,6 +30,9 @@ class Loaded:
     checkpoint: Path | None  # the adapter's checkpoint, None for an export or a model alone
 
 
+_WARNED: set[str] = set()
+
+
 def find_checkpoint(path: Path) -> Path:
     """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
     is the run's checkpoint with the lowest eval loss (launch.best_checkpoint). A run's root holds
@@ -58,7 +61,9 @@ def find_checkpoint(path: Path) -> Path:
     good, bad = scan(path) if path.is_dir() else (None, [])
     newer = [(p, why) for p, why in bad if good is None or int(p.name.split("-")[1]) > int(good.name.split("-")[1])]
     for p, why in newer:
-        print(f"WARNING: {p.name} skipped: {why}", file=sys.stderr, flush=True)
+        if str(p) not in _WARNED:  # export looks twice (the adapter, then its run's config)
+            _WARNED.add(str(p))
+            print(f"WARNING: {p.name} skipped: {why}", file=sys.stderr, flush=True)
     found = last_checkpoint(path, require=("adapter_config.json",))
     if not found:
         if not path.exists():

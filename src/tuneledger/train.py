@@ -97,6 +97,12 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
     return (str(good) if good else None), None
 
 
+def new_folder(cfg: JobConfig) -> str:
+    """How this config names another run folder: output_dir when it sets one (LLaMA-Factory
+    configs do), else run_name."""
+    return "output_dir" if cfg.output_dir else "run_name"
+
+
 def failure_line(rc: int, outcome: dict, stopped_cleanly: bool, out: Path, log: Path) -> str:
     """The last line of a train that did not finish: what happened, then what to do, truthfully.
 
@@ -147,12 +153,12 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         if conflicts:  # and the data too, when it changed: every reason in one refusal
             print(f"tuneledger train: {resume} was trained with other settings than this run asks for:\n  "
                   + "\n  ".join(conflicts + [f"data: {c}" for c in changed])
-                  + "\nResuming would silently train something else. Use another run_name "
+                  + f"\nResuming would silently train something else. Use another {new_folder(cfg)} "
                   "for the new settings, or resume_from_checkpoint=never to start this folder over.", file=sys.stderr)
             return 2
         if changed and not cfg.resume_on_changed_data:
             print(f"tuneledger train: the data changed since {resume} was saved:\n  " + "\n  ".join(changed)
-                  + "\nResuming would go on training on other data than the run so far. Use another run_name, "
+                  + f"\nResuming would go on training on other data than the run so far. Use another {new_folder(cfg)}, "
                   "resume_from_checkpoint=never to start over, or resume_on_changed_data=true to resume anyway.",
                   file=sys.stderr)
             return 2
@@ -162,7 +168,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         # The requested length, not the checkpoint's: raising max_steps / num_train_epochs goes on.
         if state["global_step"] >= steps:
             print(f"{out} is already trained: {resume} is step {state['global_step']} of {steps}. "
-                  "Use another run_name for a new run, or raise max_steps / num_train_epochs to go on.")
+                  f"Use another {new_folder(cfg)} for a new run, or raise max_steps / num_train_epochs to go on.")
             return 0
         print(f"resuming from {resume} (step {state['global_step']} of {steps})")
     held = prep.report.get("eval_records", 0)
