@@ -52,6 +52,12 @@ def start(*a, out: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+def wait_for_first_step(run: Path) -> None:
+    """Until train.log (line-buffered) holds the first logged step's loss, while the run goes on."""
+    wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
+             "the first logged step")
+
+
 def wait_for(cond, what: str, timeout: float = 1800):
     end = time.monotonic() + timeout
     while not cond():
@@ -120,9 +126,7 @@ def test_sigterm_saves_and_exits_0_and_a_second_run_is_refused(tmp_path, tiny_mo
     a = args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=300")
     first = start(*a, out=tmp_path / "first.out")
     try:
-        # Line-buffered: the first step's loss is in train.log while the run goes on.
-        wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
-                 "the first logged step")
+        wait_for_first_step(run)
         job = (run / "job.json").read_text()
         second = tl(*args(tiny_model, data, run, "max_steps=40", "learning_rate=1e-3"))
         assert second.returncode == 1 and f"is in use by pid {first.pid}" in second.stderr
@@ -151,8 +155,7 @@ def test_kill_9_of_the_launcher_leaves_a_log_and_no_orphan_ranks(tmp_path, tiny_
     launcher = start(*args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=60"),
                      out=tmp_path / "out")
     try:
-        wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
-                 "the first logged step")
+        wait_for_first_step(run)
         assert processes_of(run / "job.json")  # torchrun and the ranks are running
         launcher.kill()
         launcher.wait()
@@ -172,8 +175,7 @@ def test_kill_9_of_torchrun_is_no_success(tmp_path, tiny_model, data):
     launcher = start(*args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=60"),
                      out=tmp_path / "out")
     try:
-        wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
-                 "the first logged step")
+        wait_for_first_step(run)
         torchrun = _child_pids(launcher.pid)
         assert len(torchrun) == 1
         os.kill(torchrun[0], signal.SIGKILL)

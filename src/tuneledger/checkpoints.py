@@ -154,6 +154,11 @@ def set_aside(bad: list[tuple[Path, str]]) -> list[Path]:
     return moved
 
 
+def set_aside_ones(out_dir: Path) -> list[Path]:
+    """The damaged-checkpoint-N folders an earlier start set aside in `out_dir`, by name."""
+    return sorted(Path(out_dir).glob(DAMAGED_PREFIX + "checkpoint-*")) if Path(out_dir).is_dir() else []
+
+
 def size_of(ckpt: Path) -> int:
     """Bytes of one checkpoint on disk (every file, the manifest included)."""
     return sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file())

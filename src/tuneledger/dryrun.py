@@ -161,12 +161,8 @@ def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
         if timing else 0.0
     return eta_.predict(measured, parts["durations"][:w], parts["durations"][w:], steps,
                         cfg.save_steps, save_s, parts["finish_s"], eval_s=eval_s,
-                        measured=[k for k in eta_.PARTS if k != "eval_s" or timing], compiled=compiled(result))
+                        measured=[k for k in eta_.PARTS if k != "eval_s" or timing], compiled=ledger.compiled(result["model"]))
 
-
-def compiled(result: dict) -> bool:
-    """Whether the worker compiled its decoder layers (the ledger's levers line)."""
-    return str(result["model"].get("levers", {}).get("compile", "")).startswith("on")
 
 
 def entry(cfg: JobConfig, result: dict, stats: dict, world: int, startup: dict | None = None) -> dict:

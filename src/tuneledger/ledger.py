@@ -197,6 +197,11 @@ def run_loss(log_history: list[dict], resumed_step: int = 0) -> dict:
     return {"mean": total / covered if covered else None, "last": last, "last_step": last_step, "steps_covered": covered}
 
 
+def compiled(model_info: dict) -> bool:
+    """Whether a worker compiled its decoder layers: its `levers` line (model.load_model)."""
+    return str((model_info or {}).get("levers", {}).get("compile", "")).startswith("on")
+
+
 def plural(n: int, word: str) -> str:
     """'1 checkpoint', '2 checkpoints' (English -s plurals only)."""
     return f"{n:,} {word}{'' if n == 1 else 's'}"

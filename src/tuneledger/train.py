@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tuneledger import eta as eta_
-from tuneledger.checkpoints import DAMAGED_PREFIX, FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside
+from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
 from tuneledger.config import JobConfig, add_preset_option, describe, from_cli, resolve
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import total_steps
@@ -78,7 +78,7 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
     if good is None:
         # Never start over in a folder that holds checkpoints, damaged or set aside: the same
         # command again (a supervisor's restart, a user following the advice) must refuse again.
-        aside = sorted(p.name for p in out.glob(DAMAGED_PREFIX + "checkpoint-*")) if out.is_dir() else []
+        aside = [p.name for p in set_aside_ones(out)]
         if bad or aside:
             lines = "\n  ".join([f"{p.name}: {why}" for p, why in bad] + [f"{n}: set aside by an earlier start" for n in aside])
             print(f"WARNING: no checkpoint in {out} verifies (none renamed, none deleted):\n  {lines}",
@@ -118,7 +118,7 @@ def failure_line(rc: int, outcome: dict, stopped_cleanly: bool, out: Path, log: 
         cause = (outcome.get("causes") or [None])[0]
         what = f"a rank failed (exit {rc})" + (f": {cause}" if cause else "")
     good, bad = scan(out)
-    aside = list(out.glob(DAMAGED_PREFIX + "checkpoint-*")) if out.is_dir() else []
+    aside = set_aside_ones(out)
     if good:
         then = f"The last good checkpoint is {good.name}: the same command resumes from it."
     elif bad or aside:
@@ -292,8 +292,10 @@ def check_eta(result: dict, cfg: Any, startup: dict, stats: dict, nproc: int, cp
     row, source = eta_.find_prediction(cfg.out_dir / "dryrun.json", cfg.model_dump(), nproc, stats["cache_key"], cpu)
     # The warm-up / other steps split as the dry-run made it, so the parts compare one to one.
     warmup = row["eta"]["warmup_steps"] if row else cfg.dryrun_warmup_steps
-    compiled = str(result["model"].get("levers", {}).get("compile", "")).startswith("on")
-    act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup, compiled, wall_s=eta_.process_age_s())
+    from tuneledger.ledger import compiled
+
+    act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup, compiled(result["model"]),
+                      wall_s=eta_.process_age_s())
     result["timing"] = act
     if result.get("resumed_from"):
         result["eta_check"] = {"skipped": "resumed: the dry-run predicted the whole run, this command ran part of it"}

@@ -39,7 +39,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 from tuneledger.checkpoints import CONFIG, DATA, MANIFEST, size_of, unhealthy, write_manifest
 from tuneledger.config import JobConfig
 from tuneledger.launch import best_checkpoint, last_checkpoint
-from tuneledger.ledger import run_loss
+from tuneledger.ledger import compiled, run_loss
 from tuneledger.nodes import check_same_nodes, host_name
 from tuneledger.perms import apply_umask
 from tuneledger.progress import StepProgress
@@ -834,7 +834,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         os._exit(75)
     wall = time.perf_counter() - wall0
     timeline["train_returned"] = time.time()
-    if str(info["levers"].get("compile", "")).startswith("on"):
+    if compiled(info):
         from tuneledger.speed import compile_stats
 
         info["levers"]["compile_stats"] = compile_stats()
