@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tuneledger import eta
+from tuneledger import eta, ledger
 from tuneledger.cli import build_parser, merge_preset
 from tuneledger.config import ConfigError, preset_from_cli
 
@@ -38,7 +38,7 @@ def test_saves_count_the_final_checkpoint():
 def test_step_durations_include_gaps_and_leave_saves_out():
     steps = [{"t_begin": 0.0, "t_end": 1.0}, {"t_begin": 1.2, "t_end": 2.0}, {"t_begin": 5.1, "t_end": 6.0}]
     saves = [{"after_step": 2, "s": 3.0}]  # a 3 s save between step 2 and step 3
-    assert eta.step_durations(steps, saves) == pytest.approx([1.0, 1.0, 1.0])
+    assert ledger.step_durations(steps, saves) == pytest.approx([1.0, 1.0, 1.0])
 
 
 def test_prediction_adds_up_and_one_stall_does_not_move_it():
@@ -202,7 +202,7 @@ def test_dry_run_predicts_the_whole_train_command(tmp_path, tiny_model):
     assert result["global_step"] == row["eta"]["total_steps"] >= 12
     positions = row["run_steps_replayed"]
     assert positions[:2] == [0, 1] and max(positions) >= result["global_step"] // 2  # drawn across the run
-    train_tokens = eta.step_tokens(result["ranks"])
+    train_tokens = ledger.step_tokens(result["ranks"])
     assert len(set(train_tokens)) > 4  # lengths vary, so equal tokens mean the same batches
     assert row["step_tokens"] == [train_tokens[p] for p in positions]
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuneledger.ledger import fmt_h, plural
+from tuneledger.ledger import fmt_h, plural, spread, step_durations
 
 PARTS = ("python_start_s", "preflight_s", "data_s", "launch_s", "model_load_s", "setup_s", "compile_s",
          "warmup_steps_s", "steps_s", "saves_s", "eval_s", "finish_s")
@@ -90,36 +90,6 @@ def step_positions(total_steps: int, steps_per_epoch: int, full_steps_per_epoch:
     if measured <= len(rest):
         return warm + [rest[int((i + 0.5) * len(rest) / measured)] for i in range(measured)]
     return warm + [rest[i % len(rest)] for i in range(measured)]
-
-
-def step_durations(steps: list[dict], saves: list[dict]) -> list[float]:
-    """Seconds per optimizer step, gaps between steps included (data fetch, logging), saves left
-    out. `steps` are StepTimer.summary() rows (t_begin/t_end on the device's timeline), `saves`
-    its save rows ({"after_step": n, "s": seconds}): a save after step n sits in step n+1's gap."""
-    saved = {s["after_step"]: s["s"] for s in saves}
-    out = []
-    for i, s in enumerate(steps):
-        start = steps[i - 1]["t_end"] if i else s["t_begin"]
-        out.append(max(0.0, s["t_end"] - start - saved.get(i, 0.0)))
-    return out
-
-
-def step_tokens(ranks: list[dict]) -> list[int]:
-    """Real (non-pad) tokens of each step, summed over ranks, from each rank's running count."""
-    per_rank = [[b - a for a, b in zip([0] + r["cum_tokens"][:-1], r["cum_tokens"])] for r in ranks]
-    return [sum(t) for t in zip(*per_rank)]
-
-
-def spread(xs: list[float]) -> dict:
-    """median, p10, p90 (nearest rank), mean, trimmed mean (the middle 80%), min, max, sd."""
-    if not xs:
-        return {}
-    s = sorted(xs)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    k = int(0.1 * len(s))
-    return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9), "mean": statistics.fmean(s),
-            "trimmed_mean": statistics.fmean(s[k:len(s) - k]), "min": s[0], "max": s[-1], "n": len(s),
-            "sd": statistics.stdev(s) if len(s) > 1 else 0.0}
 
 
 def median_range(xs: list[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float]:
@@ -194,7 +164,7 @@ def worker_parts(result: dict, t_launch: float, t_exit: float) -> dict:
     worker's timeline (rank 0, wall-clock seconds) and the launcher's own start/exit times.
 
     Work only a dry-run does (replaying the run's order, benchmarks) is taken out, so the parts
-    are what a train spends. Step durations come from step_durations(); `loop_wall_s` is the host's
+    are what a train spends. Step durations come from ledger.step_durations(); `loop_wall_s` is the host's
     wall time from the first step's begin to the last step's end, saves taken out.
     """
     tl = result["timeline"]

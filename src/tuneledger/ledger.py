@@ -34,6 +34,36 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
+def step_durations(steps: list[dict], saves: list[dict]) -> list[float]:
+    """Seconds per optimizer step, gaps between steps included (data fetch, logging), saves left
+    out. `steps` are StepTimer.summary() rows (t_begin/t_end on the device's timeline), `saves`
+    its save rows ({"after_step": n, "s": seconds}): a save after step n sits in step n+1's gap."""
+    saved = {s["after_step"]: s["s"] for s in saves}
+    out = []
+    for i, s in enumerate(steps):
+        start = steps[i - 1]["t_end"] if i else s["t_begin"]
+        out.append(max(0.0, s["t_end"] - start - saved.get(i, 0.0)))
+    return out
+
+
+def step_tokens(ranks: list[dict]) -> list[int]:
+    """Real (non-pad) tokens of each step, summed over ranks, from each rank's running count."""
+    per_rank = [[b - a for a, b in zip([0] + r["cum_tokens"][:-1], r["cum_tokens"])] for r in ranks]
+    return [sum(t) for t in zip(*per_rank)]
+
+
+def spread(xs: list[float]) -> dict:
+    """median, p10, p90 (nearest rank), mean, trimmed mean (the middle 80%), min, max, sd."""
+    if not xs:
+        return {}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    k = int(0.1 * len(s))
+    return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9), "mean": statistics.fmean(s),
+            "trimmed_mean": statistics.fmean(s[k:len(s) - k]), "min": s[0], "max": s[-1], "n": len(s),
+            "sd": statistics.stdev(s) if len(s) > 1 else 0.0}
+
+
 def summarize_run(result: dict, warmup: int) -> dict:
     """Steady-state numbers of one dry-run result (trainer.fit's return value).
 
@@ -48,8 +78,6 @@ def summarize_run(result: dict, warmup: int) -> dict:
     n = len(steps)
     if n <= warmup:
         raise ValueError(f"dry-run made {n} steps, not more than the {warmup} warm-up steps; raise dryrun_steps")
-    from tuneledger.eta import spread, step_durations, step_tokens
-
     steady = steps[warmup:]
     # From the end of the last warm-up step, so the gap before the first steady step counts too.
     window = steps[-1]["t_end"] - (steps[warmup - 1]["t_end"] if warmup else 0.0)
