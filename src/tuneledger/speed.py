@@ -258,8 +258,9 @@ class LoraProjection(torch.autograd.Function):
     Shapes: x [T, in] -> y [T, out]. The compute dtype is W's (bf16 on a GPU); A and B stay fp32
     masters and get fp32 grads. Backward: dx = dy W + drop'(s (dy B) A), dA = s (dy B)^T drop(x),
     dB = s dy^T (drop(x) A^T); W is dequantised again rather than kept (what bitsandbytes does too).
-    Saved: drop(x), drop(x) A^T and the dropout mask, as peft saves for the same LoRA; the dropout
-    is torch's own (the same random stream as peft's nn.Dropout).
+    Saved: x, drop(x) A^T and the dropout mask (peft keeps drop(x) as well: a copy per projection);
+    the dropout is torch's own (the same random stream as peft's nn.Dropout), and backward remakes
+    drop(x) from x and the mask.
     """
 
     @staticmethod
@@ -275,19 +276,23 @@ class LoraProjection(torch.autograd.Function):
             xd = x
         a = xd @ A.to(dt).t()
         y = torch.addmm(y, a, B.to(dt).t(), alpha=scale)
-        ctx.save_for_backward(xd, a, A, B, w, absmax, absmax2, code2, offset, mask)
+        # x, not drop(x): x is one tensor shared by q/k/v (and gate/up) and kept anyway, while
+        # each drop(x) is a copy of its own (about 7 GiB on preset D); backward remakes it from the mask.
+        ctx.save_for_backward(x, a, A, B, w, absmax, absmax2, code2, offset, mask)
         ctx.meta, ctx.scale, ctx.p = meta, scale, p
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xd, a, A, B, w, absmax, absmax2, code2, offset, mask = ctx.saved_tensors
-        s, dt = ctx.scale, xd.dtype
+        x, a, A, B, w, absmax, absmax2, code2, offset, mask = ctx.saved_tensors
+        s, dt = ctx.scale, x.dtype
         dy = dy.to(dt)
         dyb = dy @ B.to(dt)
         dlora = (dyb @ A.to(dt)).mul_(s)
+        xd = x
         if mask is not None:
             dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - ctx.p))
+            xd = torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - ctx.p))
         dx = torch.addmm(dlora, dy, _dequantize_again(w, absmax, absmax2, code2, offset, ctx.meta))
         dA = (dyb.t() @ xd).mul_(s).to(A.dtype)
         dB = (dy.t() @ a).mul_(s).to(B.dtype)
