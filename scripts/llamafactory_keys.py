@@ -104,7 +104,7 @@ def names(checkout: Path) -> None:
 
 def docs() -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from tuneledger.llamafactory import markdown_table
+    from tuneledger.llamafactory_docs import markdown_table
 
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(markdown_table())

@@ -28,7 +28,7 @@ def adapter_run(tmp_path_factory, tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tuneledger.config import load_config
+    from tuneledger.config_load import load_config
 
     run = tmp_path_factory.mktemp("chat") / "run"
     torch.manual_seed(0)

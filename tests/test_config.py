@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from tuneledger.config import PRESETS, ConfigError, from_cli, load_config, parse_overrides, resolve
+from tuneledger.config import PRESETS, ConfigError, resolve
+from tuneledger.config_load import from_cli, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "configs" / "qwen2.5-7b-qlora.yaml"
@@ -119,7 +120,7 @@ def test_override_types_follow_the_fields():
 def test_an_unknown_preset_is_named_with_the_choices_a_user_types(capsys):
     import argparse
 
-    from tuneledger.config import add_preset_option
+    from tuneledger.config_load import add_preset_option
 
     for allow_all, tail in ((True, "choose one of A, B, C, D or all"), (False, "choose one of A, B, C, D")):
         p = argparse.ArgumentParser()

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from conftest import shared_data
-from tuneledger.config import load_config
+from tuneledger.config_load import load_config
 from tuneledger.data import IGNORE_INDEX, DataError, Invalid, encode, prepare, read_records, to_messages
 
 

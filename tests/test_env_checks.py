@@ -88,7 +88,7 @@ def lora_weights(model):
 def test_seed_fixes_the_lora_init(tiny_model):
     import torch
 
-    from tuneledger.config import load_config
+    from tuneledger.config_load import load_config
     from tuneledger.model import load_model
 
     cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "quantization_bit": None,

@@ -6,7 +6,8 @@ import pytest
 
 from tuneledger import eta, ledger
 from tuneledger.cli import build_parser, merge_preset
-from tuneledger.config import ConfigError, preset_from_cli
+from tuneledger.config import ConfigError
+from tuneledger.config_load import preset_from_cli
 
 
 def test_replayed_steps_are_the_run_start_then_spread_over_every_epoch():

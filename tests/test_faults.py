@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tuneledger import checkpoints as ck
-from tuneledger.config import load_config
+from tuneledger.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import procs
-from tuneledger.config import ConfigError, load_config, resolve, suggest
+from tuneledger.config import ConfigError, resolve
+from tuneledger.config_load import load_config, suggest
 from tuneledger.data import DataError
 from tuneledger.llamafactory import classify, lf_keys
 
@@ -24,7 +25,7 @@ LORA, QLORA, EVAL = LF / "qwen3_lora_sft.yaml", LF / "qwen3_lora_sft_otfq.yaml",
 
 # ------------------------------------------------------------------------------------------ keys
 def test_keys_doc_is_generated_from_the_code():
-    from tuneledger.llamafactory import markdown_table
+    from tuneledger.llamafactory_docs import markdown_table
 
     committed = (ROOT / "docs" / "llamafactory-keys.md").read_text()
     assert committed == markdown_table(), "docs/llamafactory-keys.md is stale: run python scripts/llamafactory_keys.py docs"
@@ -34,9 +35,9 @@ def test_keys_doc_is_generated_from_the_code():
 
 @pytest.mark.parametrize("path", [LORA, QLORA, EVAL])
 def test_example_yamls_load_unchanged_and_list_ignored_keys_once(path, capsys):
-    from tuneledger import config
+    from tuneledger import config_load
 
-    config._ANNOUNCED.clear()
+    config_load._ANNOUNCED.clear()
     cfg = load_config(path)
     load_config(path)  # a verb that builds the config twice lists the ignored keys once
     err = capsys.readouterr().err

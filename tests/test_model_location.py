@@ -96,7 +96,7 @@ def test_a_file_is_not_a_model(tmp_path):
 def test_home_is_expanded_in_the_config():
     from pathlib import Path
 
-    from tuneledger.config import load_config
+    from tuneledger.config_load import load_config
 
     cfg = load_config(None, {"model_name_or_path": "~/models/x", "dataset": ["d.json"]})
     assert cfg.model_name_or_path == str(Path.home() / "models" / "x")

@@ -66,7 +66,8 @@ def test_only_rank_zero_prints(capsys):
 
 def test_dryrun_heading_names_the_preset_once_and_passes_progress(monkeypatch, capsys):
     import tuneledger.dryrun as dryrun
-    from tuneledger.config import ConfigError, load_config, resolve
+    from tuneledger.config import ConfigError, resolve
+    from tuneledger.config_load import load_config
 
     seen = []
 

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from tuneledger.config import load_config
+from tuneledger.config_load import load_config
 from tuneledger.data import encode
 from tuneledger.trainer import make_collator
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tuneledger.config import load_config
+from tuneledger.config_load import load_config
 from tuneledger.model import PreflightError
 from tuneledger.preflight import run_checks
 

@@ -112,7 +112,7 @@ def test_single_node_rendezvous_and_ranks_listen_on_loopback_only(tmp_path):
 def test_trust_remote_code_is_accepted_but_model_code_never_runs(tmp_path):
     """LLaMA-Factory configs carry trust_remote_code: true; it is accepted and said to have no
     effect, and a model that ships its own code (auto_map) is refused, whatever the flag."""
-    from tuneledger.config import load_config
+    from tuneledger.config_load import load_config
     from tuneledger.model import PreflightError, check_remote_code
 
     base = {"model_name_or_path": "m", "dataset": ["x.json"]}

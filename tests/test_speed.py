@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tuneledger import speed
-from tuneledger.config import load_config
+from tuneledger.config_load import load_config
 from tuneledger.data import encode
 from tuneledger.trainer import make_collator
 

@@ -41,7 +41,7 @@ def merge_preset(args: argparse.Namespace) -> None:
     args.preset, and for one preset the config sees the override preset=D. Raises ConfigError."""
     if not (hasattr(args, "preset") and hasattr(args, "items")):
         return
-    from tuneledger.config import preset_from_cli
+    from tuneledger.config_load import preset_from_cli
 
     items, args.preset = preset_from_cli(list(args.items), args.preset, getattr(args, "preset_all", False))
     args.items = items + ([f"preset={args.preset}"] if args.preset and args.preset != "ALL" else [])
@@ -55,7 +55,7 @@ def announce_template(args: argparse.Namespace) -> None:
         return
     from pathlib import Path
 
-    from tuneledger.config import from_cli
+    from tuneledger.config_load import from_cli
     from tuneledger.templateinfo import local_chat_template, template_line
 
     cfg = from_cli(list(args.items))

@@ -37,7 +37,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuneledger.config import ConfigError, read_yaml_mapping
+from tuneledger.config import ConfigError
+from tuneledger.config_load import read_yaml_mapping
 
 DEFAULT_PATH = Path("configs/diagnosis.yaml")
 # GPUs whose mean utilisation differs by more than this many points in one window are flagged as

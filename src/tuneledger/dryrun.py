@@ -25,7 +25,8 @@ from typing import Any
 
 from tuneledger import eta as eta_
 from tuneledger import ledger
-from tuneledger.config import PRESETS, ConfigError, JobConfig, add_preset_option, describe, from_cli, resolve
+from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, resolve
+from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h, plural
 from tuneledger.model import PreflightError, locate_model

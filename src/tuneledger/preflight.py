@@ -16,7 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tuneledger.config import JobConfig, add_preset_option, from_cli
+from tuneledger.config import JobConfig
+from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.model import PreflightError, check_remote_code, check_text_causal_lm, is_synthetic, read_model_config
 from tuneledger.ledger import plural
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tuneledger.config import JobConfig, add_preset_option, from_cli
+from tuneledger.config import JobConfig
+from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.data import DataError, Prepared, prepare
 from tuneledger.model import (PreflightError, check_embedding_rows, check_remote_code, check_text_causal_lm, load_tokenizer,
                               read_model_config)

@@ -19,7 +19,8 @@ from typing import Any
 
 from tuneledger import eta as eta_
 from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
-from tuneledger.config import JobConfig, add_preset_option, describe, from_cli, resolve
+from tuneledger.config import JobConfig, describe, resolve
+from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config

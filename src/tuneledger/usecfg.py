@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tuneledger.config import FIELDS, ConfigError, key_lines, parse_overrides, read_yaml_mapping, suggest
+from tuneledger.config import FIELDS, ConfigError
+from tuneledger.config_load import key_lines, parse_overrides, read_yaml_mapping, suggest
 
 _ANNOUNCED: set[str] = set()
 
