@@ -34,7 +34,7 @@ def test_non_utf8_in_a_json_list_is_one_invalid_record(tmp_path):
     p = tmp_path / "d.json"
     p.write_bytes(b"[" + GOOD + b',\n{"instruction": "q", "output": "\xff\xfe"},\n' + GOOD + b"]")
     rows = records(p)
-    assert isinstance(rows[1][1], Invalid) and (rows[1][1].where, rows[1][1].field) == (f"{p}#1", "output")
+    assert isinstance(rows[1][1], Invalid) and (rows[1][1].where, rows[1][1].field) == (f"{p}:2 (record 2)", "output")
     assert rows[1][1].reason == "not UTF-8: byte 0xff"
     assert rows[0][1] == rows[2][1] == json.loads(GOOD)
 
@@ -122,7 +122,7 @@ def test_train_reports_invalid_records_exactly_as_stats(tmp_path, tiny_model):
     # 2 of 5 invalid is above max_invalid_ratio=0.05: both verbs stop at the gate, after reporting.
     stats = tl("stats", *common(tmp_path, tiny_model, data, "s"))
     train = tl("train", *common(tmp_path, tiny_model, data, "t"), "--cpu", "--nproc", "2")
-    assert stats.returncode == train.returncode == 1, train.stdout + train.stderr
+    assert stats.returncode == train.returncode == 2, train.stdout + train.stderr
     lines = lambda out: [line for line in out.splitlines() if line.startswith("invalid ")]  # noqa: E731
     assert lines(stats.stdout) == lines(train.stdout) and len(lines(stats.stdout)) == 2
     assert f"{data}:4: field '<line>': not UTF-8: byte 0xe9" in lines(train.stdout)[0]
@@ -136,7 +136,7 @@ def test_cutoff_len_1_gives_the_reason(tmp_path, tiny_model):
     data = tmp_path / "d.jsonl"
     data.write_bytes((GOOD + b"\n") * 4)
     p = tl("stats", *common(tmp_path, tiny_model, data, "s", "cutoff_len=1"))
-    assert p.returncode == 1
+    assert p.returncode == 2  # bad data is bad input, as a bad key is
     assert "no valid record" in p.stderr and "all 4 are invalid (0 supervised tokens left after cutoff_len: 4)" in p.stderr
     assert "cutoff_len is 1" in p.stderr
 

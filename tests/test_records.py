@@ -18,6 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def element_lines(text: str) -> list[int]:
+    """The 1-based line each element of the JSON list `text` starts on, from the whole text."""
+    dec, ws, lines = json.JSONDecoder(), re.compile(r"[ \t\r\n]*"), []
+    pos = ws.match(text, text.index("[") + 1).end()
+    while text[pos] != "]":
+        lines.append(text.count("\n", 0, pos) + 1)
+        pos = ws.match(text, dec.raw_decode(text, pos)[1]).end()
+        pos = ws.match(text, pos + 1).end() if text[pos] == "," else pos
+    return lines
+
+
 def whole_file_records(path: Path):
     """The whole-file reader as it was before streaming (commit 7cf3ede)."""
     text = path.read_bytes().decode("utf-8", errors="surrogateescape").removeprefix(BOM)
@@ -52,8 +63,8 @@ def whole_file_records(path: Path):
     if not isinstance(parsed, list):
         raise DataError(f"{path}: a .json dataset must be a list of records, got {type(parsed).__name__}")
     escaped = not _SURROGATE.search(text)
-    for i, obj in enumerate(parsed):
-        where = f"{path}#{i}"
+    for i, (obj, line) in enumerate(zip(parsed, element_lines(text))):
+        where = f"{path}:{line} (record {i + 1})"
         field, bad = _first_bad_text(obj, escaped)
         yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
 

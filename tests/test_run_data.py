@@ -45,7 +45,7 @@ def test_stats_that_failed_the_gate_claim_no_run(tmp_path, job, capsys):
     """Counting broken data (here: every record invalid) must not make the fixed data a stranger."""
     run = tmp_path / "runs" / "tiny"
     (tmp_path / "broken.jsonl").write_text('{"instruction": "hi"}\n' * 4)  # no output: all invalid
-    assert cli.main(["stats", *job, f"dataset={tmp_path / 'broken.jsonl'}"]) == 1
+    assert cli.main(["stats", *job, f"dataset={tmp_path / 'broken.jsonl'}"]) == 2
     assert json.loads((run / "stats.json").read_text())["gate_passed"] is False
     capsys.readouterr()
     assert cli.main(["stats", *job, f"dataset={tmp_path / 'demo.jsonl'}"]) == 0
@@ -63,5 +63,5 @@ def test_a_training_run_decides_whose_data_the_run_is(tmp_path, job, capsys):
 
     rc = cli.main(["dryrun", *job, f"dataset={tmp_path / 'demo.jsonl'}", "--cpu", "--nproc", "1", "--preset", "A"])
     err = capsys.readouterr().err
-    assert rc == 1 and "is a training run on data 0123456789abcdef" in err and "another run_name" in err
+    assert rc == 2 and "is a training run on data 0123456789abcdef" in err and "another run_name" in err
     assert not (run / "dryrun.json").exists() and not (run / "dryrun").exists()

@@ -14,6 +14,11 @@ import sys
 
 from tuneledger import __version__
 
+# Exit codes (docs/runs-and-output.md): 2 for bad input, whichever part of it is bad: the command
+# line, the config (a key, a value) or the data (a file that cannot be read, too many invalid
+# records). 1 is a check of the machine or the model that failed, or a run that failed.
+BAD_INPUT = 2
+
 # Module names under tuneledger/, in the order `--help` lists them (a package's verb is its .cli).
 VERBS = ["stats", "dryrun", "train", "synth", "preflight", "export", "quantize", "chat", "evaluate", "monitor.cli", "gpus"]
 
@@ -88,19 +93,27 @@ def main(argv: list[str] | None = None) -> int:
         args.items = list(args.items) + extra
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return BAD_INPUT
     try:
         merge_preset(args)
         announce_template(args)
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"tuneledger {args.verb}: config error: {e}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     except PreflightError as e:  # e.g. model.locate_model, which each verb calls before anything heavy
         print(f"tuneledger {args.verb}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        # A DataError can only come from tuneledger.data once imported; importing it here would
+        # load numpy and the tokenizer code for `--help` and config errors too.
+        data = sys.modules.get("tuneledger.data")
+        if data is None or not isinstance(e, data.DataError):
+            raise
+        print(f"tuneledger {args.verb}: {e}", file=sys.stderr)
+        return BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numpy as np
 from tuneledger import cache
 from tuneledger.tokens import IGNORE_INDEX, encode  # noqa: F401  (encode is part of this module's API)
 
-CACHE_VERSION = "3"  # bump when encode() changes, so stale caches are not reused
+CACHE_VERSION = "4"  # bump when encode() or the records' names change, so stale caches are not reused
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -46,7 +46,7 @@ class DataError(ValueError):
 class Invalid:
     """A record that cannot be trained on.
 
-    `where` is file:line (JSONL) or file#index (JSON list), `field` the offending field, `reason`
+    `where` is file:line (JSONL) or file:line (record N) (JSON list, N from 1), `field` the offending field, `reason`
     the detail and `kind` the short class it is counted under in the stats.
     """
 
@@ -89,8 +89,8 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         yield from records.iter_jsonl(path, _parse_line)
         return
     try:
-        for i, obj, raw_surrogates in records.iter_json_list(path):
-            where = f"{path}#{i}"
+        for i, obj, raw_surrogates, line in records.iter_json_list(path):
+            where = f"{path}:{line} (record {i + 1})"  # like JSONL's file:line; a record number for a one-line list
             field, bad = _first_bad_text(obj, escaped=not raw_surrogates)
             yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
     except records.ListError as e:

@@ -30,10 +30,10 @@ from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.launch import processes, run_workers
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h, plural
 from tuneledger.model import PreflightError, locate_model
+from tuneledger.preflight import check_data
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.speed import levers_line
 from tuneledger.nodes import add_arguments as add_node_arguments
-from tuneledger.data import DataError
 from tuneledger.stats import load_prepared, prepare_eval, prepare_for_training, run_data_hash
 
 
@@ -477,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
     nodes = from_args(args)
     locate_model(base.model_name_or_path)  # at once, before torch loads
+    check_data(base)  # and a dataset that is not there
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
@@ -493,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
             load_prepared(base, model_checked=True)
             startup["data_s"] = time.perf_counter() - t0
         eval_prep = prepare_eval(base)
-    except (PreflightError, DataError) as e:
+    except PreflightError as e:  # a DataError is bad input: cli.main says it and exits 2
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
         return 1
     stats = prep.report
@@ -502,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuneledger dryrun: {out_root} is a training run on data {owner[0]} ({owner[1]}), and this dry-run's data "
               f"is {stats['cache_key']}. A run directory belongs to one data hash: give this one another run_name "
               "(RUN=<name>).", file=sys.stderr)
-        return 1
+        return 2  # refused as train refuses changed data
     print(f"data: {stats['records']['valid']:,} valid records, {stats['tokens']['trained']:,} tokens, "
           f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
     out_root.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run

@@ -62,7 +62,7 @@ def score(model: Any, tokenizer: Any, ds: Any, batch_size: int = 4) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from tuneledger.config import ConfigError, JobConfig
-    from tuneledger.data import DataError, prepare
+    from tuneledger.data import prepare
     from tuneledger.templateinfo import template_line
     from tuneledger.usecfg import resolve_use
 
@@ -90,18 +90,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # pydantic's ValidationError: a bad value in the config or the run's job.json
         raise ConfigError(f"{use.where}: {e}") from None
     print(template_line(cfg.template, loaded.tokenizer.chat_template, loaded.source), file=sys.stderr, flush=True)
-    try:
-        prep = prepare(cfg, loaded.tokenizer, progress=False)
-    except DataError as e:
-        print(f"tuneledger eval: {e}", file=sys.stderr)
-        return 1
+    prep = prepare(cfg, loaded.tokenizer, progress=False)  # a DataError: cli.main says it and exits 2
     import datasets
 
     ds = datasets.load_from_disk(str(prep.path))
     rec = prep.report["records"]
     if not len(ds):
         print(f"tuneledger eval: no valid record in {','.join(dataset)} ({rec['invalid']} invalid)", file=sys.stderr)
-        return 1
+        return 2  # bad data, as a DataError
     s = score(loaded.model, loaded.tokenizer, ds, args.batch_size or int(use.get("per_device_eval_batch_size", 4)))
     loss = s["nll_sum"] / s["supervised_tokens"]
     result = {

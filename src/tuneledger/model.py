@@ -80,9 +80,12 @@ def locate_model(name: str) -> Path | None:
     if local.exists():
         raise PreflightError(f"model {name} is a file, not a model directory")
     if looks_like_path(name):
+        # The hub id is not known from a folder name (its organisation is not in it): say where
+        # the id goes, with a real id as the example, and never make one up.
         raise PreflightError(f"model {name}: no such directory (relative to {Path.cwd()}). `make fetch MODEL=<hub id>` "
-                             f"downloads a model into models/<name>: `make fetch MODEL=Qwen/{local.name}` makes "
-                             f"models/{local.name}.")
+                             f"downloads a model into models/<name>: `make fetch MODEL=<organisation>/{local.name}` "
+                             f"makes models/{local.name} (e.g. MODEL=Qwen/Qwen2.5-7B-Instruct makes "
+                             "models/Qwen2.5-7B-Instruct).")
     offline = hub_offline()
     if offline:
         raise PreflightError(f"model {name}: no such directory, and the hub is offline ({offline}). `make fetch "

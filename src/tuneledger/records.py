@@ -58,10 +58,10 @@ class ListError(ValueError):
         self.msg, self.line, self.col = msg, line, col
 
 
-def iter_json_list(path: Path) -> Iterator[tuple[int, Any, bool]]:
-    """(index, parsed value, its text held a lone surrogate) of each element of a file holding one
-    JSON list, parsed value by value (json.JSONDecoder.raw_decode over a sliding buffer of about
-    CHUNK characters).
+def iter_json_list(path: Path) -> Iterator[tuple[int, Any, bool, int]]:
+    """(index, parsed value, its text held a lone surrogate, 1-based line its text starts on) of
+    each element of a file holding one JSON list, parsed value by value (json.JSONDecoder.raw_decode
+    over a sliding buffer of about CHUNK characters).
 
     Raises ListError (line:column, as json.loads reports them) where the text is not JSON, and
     TypeError (the value's type name) when the file's value is not a list."""
@@ -70,6 +70,14 @@ def iter_json_list(path: Path) -> Iterator[tuple[int, Any, bool]]:
     dec = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
     st = {"buf": "", "pos": 0, "done": False, "base": 0, "lines": 1, "last_nl": -1}
+    # The line of each value's start, counted on from the last one (a count from the buffer's
+    # start per value would scan the whole buffer for every record): `at` is an offset in the file.
+    cursor = {"at": 0, "line": 1}
+
+    def line_at(p: int) -> int:
+        cursor["line"] += st["buf"].count("\n", cursor["at"] - st["base"], p)
+        cursor["at"] = st["base"] + p
+        return cursor["line"]
 
     with open(path, "rb") as f:
         def fill() -> bool:
@@ -81,6 +89,7 @@ def iter_json_list(path: Path) -> Iterator[tuple[int, Any, bool]]:
                 tail = utf8.decode(b"", final=True)
                 st["buf"] += tail
                 return bool(tail)
+            line_at(st["pos"])  # before what it counts from is dropped
             drop = st["buf"][:st["pos"]]
             nl = drop.count("\n")
             if nl:
@@ -138,8 +147,9 @@ def iter_json_list(path: Path) -> Iterator[tuple[int, Any, bool]]:
             while True:
                 if peek() == "":
                     raise ListError("Expecting value", *where(st["pos"]))
+                line = line_at(st["pos"])
                 v, text = value()
-                yield index, v, any("\ud800" <= ch <= "\udfff" for ch in text)
+                yield index, v, any("\ud800" <= ch <= "\udfff" for ch in text), line
                 index += 1
                 c = peek()
                 if c == ",":

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokenizer = checked_tokenizer(cfg)  # the same model checks as dryrun and train
         prep = prepare(cfg, tokenizer)
-    except (DataError, PreflightError) as e:
+    except PreflightError as e:  # a DataError is bad input: cli.main says it and exits 2
         print(f"tuneledger stats: {e}", file=sys.stderr)
         return 1
     render(prep, cfg, tokenizer)
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}")
     if problem:
         print(f"tuneledger stats: {problem}", file=sys.stderr)
-        return 1
+        return 2  # refused data is bad input, as a refused key is (cli.BAD_INPUT)
     return 0
 
 

@@ -26,8 +26,7 @@ from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.nodes import from_args, summary
-from tuneledger.preflight import checkpoint_estimate
-from tuneledger.data import DataError
+from tuneledger.preflight import check_data, checkpoint_estimate
 from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.stats import prepare_eval, prepare_for_training
 
@@ -37,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     base = from_cli(args.items)
     nodes = from_args(args)
     locate_model(base.model_name_or_path)  # at once, before torch loads
+    check_data(base)  # and a dataset that is not there
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
     cfg = resolve(base, world)
@@ -136,7 +136,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     try:
         prep = prepare_for_training(cfg, cpu, startup, world)
         eval_prep = prepare_eval(cfg)
-    except (PreflightError, DataError) as e:
+    except PreflightError as e:  # a DataError is bad input: cli.main says it and exits 2
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run

@@ -1,0 +1,70 @@
+"""Bad input (issue 21, items 7 and 15): one exit code for it, said early, named well."""
+
+import json
+
+import pytest
+
+from tuneledger import cli, records
+from tuneledger.data import read_records
+
+
+def job(tmp_path, model, data):
+    return [f"model_name_or_path={model}", f"dataset={data}", f"output_dir={tmp_path / 'run'}",
+            f"cache_dir={tmp_path / 'cache'}", "quantization_bit=null", "cutoff_len=64", "global_batch_size=2"]
+
+
+def test_bad_data_exits_2_as_a_bad_key_does(tmp_path, tiny_model, capsys):
+    """A refused key and a refused dataset are both bad input: exit 2 (cli.BAD_INPUT), one line each."""
+    assert cli.main(["stats", *job(tmp_path, tiny_model, tmp_path / "d.jsonl"), "lora_rnak=8"]) == cli.BAD_INPUT == 2
+    assert "config error" in capsys.readouterr().err
+    assert cli.main(["stats", *job(tmp_path, tiny_model, tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("tuneledger stats: dataset file ") and "missing.jsonl not found" in err
+    (tmp_path / "broken.json").write_text('[{"instruction": "a", "output": "b"},,]')
+    assert cli.main(["stats", *job(tmp_path, tiny_model, tmp_path / "broken.json")]) == 2
+    assert "broken.json:1:38: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", ["dryrun", "train"])
+def test_a_missing_dataset_is_said_before_the_preflight_checks(verb, tmp_path, tiny_model, capsys, monkeypatch):
+    """Issue 21 (15): it came after 12.7 s of preflight; now before torch or any check loads."""
+    import tuneledger.preflight as preflight
+
+    def too_late(*a, **kw):
+        raise AssertionError("the preflight checks ran before the missing dataset was said")
+
+    monkeypatch.setattr(preflight, "run_checks", too_late)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"instruction": "q", "output": "a"}) + "\n")
+    rc = cli.main([verb, *job(tmp_path, tiny_model, tmp_path / "nope.jsonl"), "--cpu", "--nproc", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "dataset file " in err and "nope.jsonl not found" in err
+    rc = cli.main([verb, *job(tmp_path, tiny_model, tmp_path / "d.jsonl"), f"eval_dataset={tmp_path / 'ev.json'}",
+                   "--cpu", "--nproc", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "eval_dataset: dataset file " in err and "ev.json not found" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_missing_model_hint_makes_up_no_hub_id(tmp_path, monkeypatch):
+    from tuneledger.model import PreflightError, locate_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(PreflightError) as e:
+        locate_model("models/nope")
+    text = str(e.value)
+    assert "Qwen/nope" not in text and "make fetch MODEL=<organisation>/nope` makes models/nope" in text
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_json_list_records_are_named_by_line_and_number_from_1(tmp_path, monkeypatch, chunk):
+    """Issue 21 (15): they were `#10` (0-based, no line). Now `file:line (record N)`, like JSONL's
+    file:line, with N for a list written on one line. Buffers cut every few characters too."""
+    monkeypatch.setattr(records, "CHUNK", chunk)
+    multi = tmp_path / "multi.json"
+    multi.write_text('[\n  {"instruction": "a",\n   "output": "b"},\n\n  {"instruction": "c"},\n  7\n]\n')
+    got = [(where, getattr(obj, "where", None)) for where, obj in read_records(multi)]
+    assert [w for w, _ in got] == [f"{multi}:2 (record 1)", f"{multi}:5 (record 2)", f"{multi}:6 (record 3)"]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"instruction": "a", "output": "b"}] * 3))
+    assert [w for w, _ in read_records(one)] == [f"{one}:1 (record {n})" for n in (1, 2, 3)]
