@@ -55,7 +55,7 @@ def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_mode
     assert "rendezvous 127.0.0.1:" in p.stdout
     # Progress while it runs, and no line without information (issue 10, items 3 and 6).
     assert "=== [1/4] preset A: micro-batch" in p.stdout and "preset A: preset A" not in p.stdout
-    assert "dry-run preset A (1 of 4): step 1/3," in p.stdout and "the dry-run ~" in p.stdout
+    assert "dry-run preset A (1 of 4): step 1/3," in p.stdout and "3 more presets after it, not in this estimate" in p.stdout
     assert "dry-run preset D (4 of 4): step 3/3," in p.stdout
     for noise in ("PAD/BOS/EOS", "Loading weights", "gemm_4bit_forward", "Filter:"):
         assert noise not in p.stdout + p.stderr, noise

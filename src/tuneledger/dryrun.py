@@ -416,7 +416,6 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
     nproc: this node's processes; the world size is nodes x nproc."""
     world = nodes.world_size(nproc)
     runnable = [name for name, cfg in planned if not isinstance(cfg, ConfigError)]
-    earlier_s: list[float] = []  # wall time of each preset run so far, for the dry-run's ETA
     for name, cfg in planned:
         if isinstance(cfg, ConfigError):
             print(f"preset {name}: skipped: {cfg}")
@@ -424,8 +423,8 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
             continue
         index = runnable.index(name) + 1
         print(f"\n=== [{index}/{len(runnable)}] {describe(cfg, world)}", flush=True)
-        progress = {"label": f"dry-run preset {name} ({index} of {len(runnable)})", "later_presets": len(runnable) - index,
-                    "earlier_s": list(earlier_s)}
+        # The step lines' estimate covers this preset only (progress.py says why), and counts those after it.
+        progress = {"label": f"dry-run preset {name} ({index} of {len(runnable)})", "later_presets": len(runnable) - index}
         started = datetime.now(timezone.utc)
         # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
         # a preset that runs out of memory there is run again uncapped for its throughput.
@@ -439,7 +438,6 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
             rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, nodes=nodes, progress=progress,
                                     eval_path=eval_path, stats=stats)
         ended = datetime.now(timezone.utc)
-        earlier_s.append((ended - started).total_seconds())
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})

@@ -4,11 +4,13 @@ The ranks' output reaches the user through the launcher's pipe and train.log / d
 redrawn bar (tqdm's carriage returns) becomes one line per redraw; plain lines read the same in a
 terminal, a pipe and a log. Dry-run and train print the same line:
 
-    dry-run preset A (1 of 4): step 3/6, 14.2 s/step so far; this preset ~43 s more, the dry-run ~5 min 10 s more
+    dry-run preset A (1 of 4): step 3/6, 14.20 s/step so far; this preset ~0 min 43 s more (3 more presets after it, not in this estimate: each steps at its own speed)
 
-s/step so far = wall time since this process's first step began / steps done since. The dry-run's
-remaining time adds, for each preset still to run, the mean wall time of the presets already run
-(launch, model load, steps and save), or this preset's own projected time when it is the first.
+s/step so far = wall time since this process's first step began / steps done since. A dry-run's
+estimate covers the running preset only, and says so: the presets differ in micro-batch,
+gradient checkpointing and packing, and one's step time does not predict another's (on a 2-core
+CPU, presets after A stepped twice as slow, so "the rest take as long as A" promised 3 minutes
+where 6 were needed). Each preset's own line gives its own estimate once it runs.
 """
 
 from __future__ import annotations
@@ -17,32 +19,35 @@ import time
 
 from transformers import TrainerCallback
 
-from tuneledger.ledger import fmt_h
+from tuneledger.ledger import fmt_h, plural
 
 
 def progress_line(label: str, step: int, total: int, s_per_step: float, *, later_presets: int = 0,
-                  earlier_s: list[float] | None = None, preset_elapsed_s: float | None = None) -> str:
-    """The progress line; `step` of `total` steps done at `s_per_step`. For a dry-run, the presets
-    still to run after this one and the wall times of those already run give its own ETA."""
+                  dryrun: bool = False) -> str:
+    """The progress line; `step` of `total` steps done at `s_per_step`. A dry-run's (`dryrun`)
+    names the `later_presets` still to run after this one, which its estimate leaves out."""
     left = max(0, total - step) * s_per_step
-    if not later_presets and preset_elapsed_s is None:
+    if not dryrun:
         return f"{label}: step {step}/{total}, {s_per_step:.2f} s/step so far; ETA {fmt_h(left)}"
     text = f"{label}: step {step}/{total}, {s_per_step:.2f} s/step so far; this preset ~{fmt_h(left)} more"
-    per_preset = sum(earlier_s) / len(earlier_s) if earlier_s else (preset_elapsed_s or 0.0) + left
-    return text + f", the dry-run ~{fmt_h(left + later_presets * per_preset)} more"
+    if not later_presets:
+        return text + " (the last)"
+    return text + f" ({plural(later_presets, 'more preset')} after it, not in this estimate: each steps at its own speed)"
 
 
 class StepProgress(TrainerCallback):
     """Prints `progress_line` on rank 0 after the first step, the last, and at most every `every_s` between.
 
-    `job["progress"]` (optional): {"label", "later_presets", "earlier_s", "started_wall"} from the launcher.
-    `dryrun`: the line counts the presets ("this preset ..., the dry-run ..."); a training's says ETA.
+    `job["progress"]` (optional): {"label", "later_presets", "started_wall"} from the launcher.
+    `dryrun`: the line says "this preset ..." and counts the presets after it; a training's says ETA.
+    `earlier_s` is accepted and unused: the worker (trainer.py) still passes it, and the wall times
+    of earlier presets no longer go into the estimate (see the module's docstring).
     """
 
     def __init__(self, label: str, every_s: float = 10.0, later_presets: int = 0, earlier_s: list[float] | None = None,
                  started_wall: float | None = None, dryrun: bool = False):
         self.label, self.every_s, self.dryrun = label, every_s, dryrun
-        self.later_presets, self.earlier_s, self.started_wall = later_presets, earlier_s or [], started_wall
+        self.later_presets, self.started_wall = later_presets, started_wall
         self._t0: float | None = None
         self._first_step = 0
         self._last_print = 0.0
@@ -66,6 +71,5 @@ class StepProgress(TrainerCallback):
             return
         self._last_print = now
         per_step = (now - self._t0) / max(1, step - self._first_step)
-        elapsed = time.time() - self.started_wall if self.started_wall and self.dryrun else None
-        print(progress_line(self.label, step, total, per_step, later_presets=self.later_presets,
-                            earlier_s=self.earlier_s, preset_elapsed_s=elapsed), flush=True)
+        print(progress_line(self.label, step, total, per_step, later_presets=self.later_presets, dryrun=self.dryrun),
+              flush=True)
