@@ -34,7 +34,8 @@ from tuneledger.preflight import check_data
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.speed import levers_line
 from tuneledger.nodes import add_arguments as add_node_arguments
-from tuneledger.stats import load_prepared, prepare_eval, prepare_for_training, run_data_hash
+from tuneledger.data_report import run_data_hash
+from tuneledger.prepare import load_prepared, prepare_eval, prepare_for_training
 
 
 

@@ -28,7 +28,7 @@ from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.nodes import from_args, summary
 from tuneledger.preflight import check_data, checkpoint_estimate
 from tuneledger.runlock import RunLock, RunLocked
-from tuneledger.stats import prepare_eval, prepare_for_training
+from tuneledger.prepare import prepare_eval, prepare_for_training
 
 
 def run(args: argparse.Namespace) -> int:
