@@ -52,7 +52,8 @@ def adapter_run(tmp_path_factory, tiny_model):
 
 
 def test_loads_base_plus_adapter_and_stops_at_im_end(adapter_run, tiny_model, capsys):
-    from tuneledger.chat import load, reply, stop_ids
+    from tuneledger.chat import reply
+    from tuneledger.loading import load, stop_ids
 
     loaded = load(str(adapter_run), device="cpu")
     assert loaded.source == f"{tiny_model} + adapter {adapter_run / 'checkpoint-1'}"
@@ -84,7 +85,7 @@ def test_eval_loss_is_transformers_loss_and_writes_json(adapter_run, tmp_path, c
     import torch
 
     from tuneledger import evaluate
-    from tuneledger.chat import load
+    from tuneledger.loading import load
     from tuneledger.data import encode, to_messages
 
     records = [{"instruction": "2+2?", "output": "4, of course."}, {"instruction": "Name a colour.", "output": "Blue."},
@@ -140,7 +141,8 @@ def test_eval_predict_yaml_writes_llamafactory_predictions(adapter_run, tiny_mod
     generate greedily on eval_dataset; generated_predictions.jsonl holds prompt/predict/label per
     record, predict_results.json the loss, the same as a plain eval's."""
     from tuneledger import evaluate
-    from tuneledger.chat import load, reply
+    from tuneledger.chat import reply
+    from tuneledger.loading import load
 
     records = [{"instruction": "2+2?", "output": "4."}, {"instruction": "Name a colour.", "output": "Blue."},
                {"instruction": "", "output": "x"}]  # invalid: neither scored nor predicted

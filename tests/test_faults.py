@@ -548,7 +548,7 @@ def test_unfilled_placeholders_name_the_override_that_fills_them(tmp_path):
 def test_export_and_chat_load_only_checkpoints_that_verify(tmp_path, capsys):
     """Given a checkpoint folder itself, or a run whose checkpoints are all bad, the loader names
     what is wrong instead of merging damaged weights (a fresh tester's find)."""
-    from tuneledger.loading import LoadError, find_checkpoint
+    from tuneledger.checkpoints import LoadError, find_checkpoint
 
     run = tmp_path / "run"
     good = fake_checkpoint(run, 2)

@@ -258,7 +258,7 @@ def test_qlora_example_on_cpu_is_refused_before_loading(tmp_path, tiny_model):
 @pytest.mark.e2e
 @pytest.mark.slow  # a 2-process run of minutes on 2 cores: make test stays under 10 min
 def test_eval_example_evaluates_on_every_rank_and_picks_the_best(tmp_path, tiny_model):
-    from tuneledger.export import find_checkpoint
+    from tuneledger.checkpoints import find_checkpoint
 
     p = lf_run(tmp_path, tiny_model, EVAL, "max_steps=2", "eval_steps=1", "save_steps=1", "--nproc", "2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

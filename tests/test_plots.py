@@ -79,7 +79,7 @@ def seal(ckpt, step):
 
 
 def test_best_checkpoint_is_the_lowest_eval_loss_among_saved_ones(tmp_path):
-    from tuneledger.launch import best_checkpoint
+    from tuneledger.checkpoints import best_checkpoint
 
     history = [{"step": 2, "eval_loss": 1.5}, {"step": 3, "eval_loss": 0.9}, {"step": 4, "eval_loss": 1.1},
                {"step": 6, "eval_loss": 1.2}]

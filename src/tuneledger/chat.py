@@ -22,12 +22,8 @@ import argparse
 import sys
 from typing import Any
 
-from tuneledger.loading import LoadError, Loaded, load, pick, run_dir, stop_ids
-
-
-# The model loading is shared with export and eval (tuneledger.loading); these names stay importable here.
-ChatError = LoadError
-__all__ = ["ChatError", "Loaded", "load", "pick", "reply", "run_dir", "stop_ids"]
+from tuneledger.checkpoints import LoadError
+from tuneledger.loading import Loaded, load, stop_ids
 
 
 def reply(loaded: Loaded, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,

@@ -10,6 +10,10 @@ health is good (finite loss, grad norm and weights, every |weight| <= MAX_ABS_WE
 checkpoint that fails is never deleted: before a resume from an older good one it is renamed to
 `damaged-checkpoint-N` (outside the Trainer's rotation, which globs `checkpoint-*`), and the
 warning names the file or the number that failed.
+
+Finding one is here too: the newest that verifies (`last_checkpoint`), the one with the lowest
+eval loss (`best_checkpoint`), and the adapter a run, checkpoint or `checkpoint-best` names
+(`find_checkpoint`, for export, chat and eval).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 MANIFEST = "tuneledger_manifest.json"
@@ -190,3 +195,76 @@ def publish_final(ckpt: Path, out_dir: Path) -> list[str]:
     (out_dir / (FINAL + ".tmp")).write_text(json.dumps(final, indent=1))
     os.replace(out_dir / (FINAL + ".tmp"), out_dir / FINAL)
     return names
+
+
+# ------------------------------------------------------------------------- finding checkpoints
+class LoadError(RuntimeError):
+    """The run, checkpoint or base cannot be found or loaded; the message says which and what to do."""
+
+
+def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
+    """The newest checkpoint-N in out_dir whose manifest verifies (problem), or None.
+    `require`: files it must also hold."""
+    done = [p for p in Path(out_dir).glob("checkpoint-*") if step_of(p) is not None
+            and all((p / f).is_file() for f in require)]
+    for p in sorted(done, key=step_of, reverse=True):
+        if problem(p) is None:
+            return str(p)
+    return None
+
+
+def best_checkpoint(out_dir: Path) -> tuple[str, float] | None:
+    """(path, eval loss) of the complete checkpoint-N with the lowest eval loss, or None when no
+    checkpoint was evaluated. The losses are the newest checkpoint's log history (an eval at step N
+    runs before the save at step N, so it is in checkpoint-N's state)."""
+    newest = last_checkpoint(out_dir)
+    if not newest:
+        return None
+    history = json.loads((Path(newest) / "trainer_state.json").read_text()).get("log_history", [])
+    losses = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
+    done = {step_of(p): p for p in Path(out_dir).glob("checkpoint-*") if step_of(p) is not None and problem(p) is None}
+    scored = sorted((losses[step], step) for step in done if step in losses)
+    return (str(done[scored[0][1]]), scored[0][0]) if scored else None
+
+
+_WARNED: set[str] = set()
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
+    is the run's checkpoint with the lowest eval loss (best_checkpoint). A run's root holds
+    a copy of its final adapter (FINAL names the checkpoint it came from): that
+    checkpoint is returned while it is there. Raises LoadError."""
+    if (path / FINAL).is_file():
+        named = path / str(json.loads((path / FINAL).read_text()).get("checkpoint", ""))
+        if named != path and (named / "adapter_config.json").is_file() and problem(named) is None:
+            return named
+    elif (path / "adapter_config.json").is_file():
+        # A sealed checkpoint is used only if it verifies (files, hashes, health); an adapter
+        # folder from elsewhere (no manifest) is used as it is.
+        why = problem(path) if (path / MANIFEST).is_file() else None
+        if why:
+            raise LoadError(f"{path} does not verify: {why}")
+        return path
+    if path.name == "checkpoint-best" and not path.exists():
+        best = best_checkpoint(path.parent)
+        if not best:
+            raise LoadError(f"{path.parent} has no checkpoint with an eval loss: the run needs eval data (val_size or "
+                            "eval_dataset) and a checkpoint at an eval step (eval_steps defaults to save_steps)")
+        print(f"best checkpoint: {best[0]} (eval loss {best[1]:.4f})", flush=True)
+        return Path(best[0])
+    good, bad = scan(path) if path.is_dir() else (None, [])
+    newer = [(p, why) for p, why in bad if good is None or int(p.name.split("-")[1]) > int(good.name.split("-")[1])]
+    for p, why in newer:
+        if str(p) not in _WARNED:  # export looks twice (the adapter, then its run's config)
+            _WARNED.add(str(p))
+            print(f"WARNING: {p.name} skipped: {why}", file=sys.stderr, flush=True)
+    found = last_checkpoint(path, require=("adapter_config.json",))
+    if not found:
+        if not path.exists():
+            siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
+            raise LoadError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
+        if bad:
+            raise LoadError(f"no checkpoint of {path} verifies: " + "; ".join(f"{p.name}: {why}" for p, why in bad))
+        raise LoadError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
+    return Path(found)

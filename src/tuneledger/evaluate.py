@@ -35,7 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tuneledger.loading import LoadError, load
+from tuneledger.checkpoints import LoadError
+from tuneledger.loading import load
 
 
 def score(model: Any, tokenizer: Any, ds: Any, batch_size: int = 4) -> dict:

@@ -51,8 +51,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-# find_checkpoint and run_conversations are part of this module's API (quantize, tests).
-from tuneledger.loading import LoadError, find_checkpoint, run_conversations  # noqa: F401
+from tuneledger.checkpoints import LoadError, find_checkpoint
+from tuneledger.loading import run_conversations
 from tuneledger.model import PreflightError, load_tokenizer, read_model_config
 from tuneledger.perms import apply_umask
 

@@ -89,35 +89,6 @@ def processes(cpu: bool, nproc: int | None) -> tuple[bool, int]:
     return gpus == 0, nproc or gpus or 2
 
 
-def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:
-    """The newest checkpoint-N in out_dir whose manifest verifies (checkpoints.problem), or None.
-    `require`: files it must also hold."""
-    from tuneledger.checkpoints import problem, step_of
-
-    done = [p for p in Path(out_dir).glob("checkpoint-*") if step_of(p) is not None
-            and all((p / f).is_file() for f in require)]
-    for p in sorted(done, key=step_of, reverse=True):
-        if problem(p) is None:
-            return str(p)
-    return None
-
-
-def best_checkpoint(out_dir: Path) -> tuple[str, float] | None:
-    """(path, eval loss) of the complete checkpoint-N with the lowest eval loss, or None when no
-    checkpoint was evaluated. The losses are the newest checkpoint's log history (an eval at step N
-    runs before the save at step N, so it is in checkpoint-N's state)."""
-    newest = last_checkpoint(out_dir)
-    if not newest:
-        return None
-    history = json.loads((Path(newest) / "trainer_state.json").read_text()).get("log_history", [])
-    losses = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
-    from tuneledger.checkpoints import problem, step_of
-
-    done = {step_of(p): p for p in Path(out_dir).glob("checkpoint-*") if step_of(p) is not None and problem(p) is None}
-    scored = sorted((losses[step], step) for step in done if step in losses)
-    return (str(done[scored[0][1]]), scored[0][0]) if scored else None
-
-
 def _child_pids(pid: int) -> list[int]:
     """Direct children of `pid` (torchrun's ranks), from /proc."""
     out = []

@@ -1,24 +1,19 @@
-"""Finding and loading a trained run's model: shared by the verbs that use one (export, chat, eval).
+"""Loading a trained run's model: shared by the verbs that use one (export, chat, eval).
 
 A run is named by a run name (runs/<run>), a run folder, a checkpoint-N folder or an export
-folder; `find_checkpoint` picks the adapter, `load` builds the model for inference (the export,
-base + adapter, or a model folder alone). Errors are LoadError, naming what is missing and what
-to pass instead.
+folder; `pick` says which (checkpoints.find_checkpoint picks the adapter), `load` builds the model
+for inference (the export, base + adapter, or a model folder alone). Errors are
+checkpoints.LoadError, naming what is missing and what to pass instead.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuneledger.launch import best_checkpoint, last_checkpoint
-
-
-class LoadError(RuntimeError):
-    """The run, checkpoint or base cannot be found or loaded; the message says which and what to do."""
+from tuneledger.checkpoints import LoadError, find_checkpoint
 
 
 @dataclass
@@ -28,51 +23,6 @@ class Loaded:
     source: str  # what was loaded, for the first line printed
     config: dict  # the run's resolved config (job.json), {} when unknown
     checkpoint: Path | None  # the adapter's checkpoint, None for an export or a model alone
-
-
-_WARNED: set[str] = set()
-
-
-def find_checkpoint(path: Path) -> Path:
-    """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
-    is the run's checkpoint with the lowest eval loss (launch.best_checkpoint). A run's root holds
-    a copy of its final adapter (checkpoints.FINAL names the checkpoint it came from): that
-    checkpoint is returned while it is there. Raises LoadError."""
-    from tuneledger.checkpoints import FINAL, MANIFEST, problem, scan
-
-    if (path / FINAL).is_file():
-        named = path / str(json.loads((path / FINAL).read_text()).get("checkpoint", ""))
-        if named != path and (named / "adapter_config.json").is_file() and problem(named) is None:
-            return named
-    elif (path / "adapter_config.json").is_file():
-        # A sealed checkpoint is used only if it verifies (files, hashes, health); an adapter
-        # folder from elsewhere (no manifest) is used as it is.
-        why = problem(path) if (path / MANIFEST).is_file() else None
-        if why:
-            raise LoadError(f"{path} does not verify: {why}")
-        return path
-    if path.name == "checkpoint-best" and not path.exists():
-        best = best_checkpoint(path.parent)
-        if not best:
-            raise LoadError(f"{path.parent} has no checkpoint with an eval loss: the run needs eval data (val_size or "
-                            "eval_dataset) and a checkpoint at an eval step (eval_steps defaults to save_steps)")
-        print(f"best checkpoint: {best[0]} (eval loss {best[1]:.4f})", flush=True)
-        return Path(best[0])
-    good, bad = scan(path) if path.is_dir() else (None, [])
-    newer = [(p, why) for p, why in bad if good is None or int(p.name.split("-")[1]) > int(good.name.split("-")[1])]
-    for p, why in newer:
-        if str(p) not in _WARNED:  # export looks twice (the adapter, then its run's config)
-            _WARNED.add(str(p))
-            print(f"WARNING: {p.name} skipped: {why}", file=sys.stderr, flush=True)
-    found = last_checkpoint(path, require=("adapter_config.json",))
-    if not found:
-        if not path.exists():
-            siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
-            raise LoadError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
-        if bad:
-            raise LoadError(f"no checkpoint of {path} verifies: " + "; ".join(f"{p.name}: {why}" for p, why in bad))
-        raise LoadError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
-    return Path(found)
 
 
 def run_conversations(cfg: dict, files: list[str], limit: int | None = None) -> list[list[dict]]:

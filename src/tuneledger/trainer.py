@@ -36,9 +36,8 @@ from tuneledger import quiet
 quiet.install()  # before transformers and peft import bitsandbytes, which logs at import
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from tuneledger.checkpoints import CONFIG, DATA, MANIFEST, size_of, unhealthy, write_manifest
+from tuneledger.checkpoints import CONFIG, DATA, MANIFEST, best_checkpoint, last_checkpoint, size_of, unhealthy, write_manifest
 from tuneledger.config import JobConfig
-from tuneledger.launch import best_checkpoint, last_checkpoint
 from tuneledger.ledger import compiled, run_loss
 from tuneledger.nodes import check_same_nodes, host_name
 from tuneledger.perms import apply_umask
