@@ -210,10 +210,10 @@ def test_cache_built_by_two_processes_at_once(tmp_path, tiny_model):
 SWAP = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    import tuneledger.export as ex
+    import tuneledger.atomicdir as ad
     out, version, kill_at, exchange = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
     if not exchange:
-        ex._exchange = lambda a, b: False
+        ad._exchange = lambda a, b: False
     calls = [0]
     def killing(real):
         def op(*a, **kw):
@@ -224,10 +224,10 @@ SWAP = textwrap.dedent("""
         return op
     Path.rename = killing(Path.rename)
     Path.symlink_to = killing(Path.symlink_to)
-    ex._exchange = killing(ex._exchange)
-    ex.os.replace = killing(ex.os.replace)
-    ex.shutil.rmtree = killing(ex.shutil.rmtree)
-    with ex.atomic_dir(out) as tmp:
+    ad._exchange = killing(ad._exchange)
+    ad.os.replace = killing(ad.os.replace)
+    ad.shutil.rmtree = killing(ad.shutil.rmtree)
+    with ad.atomic_dir(out) as tmp:
         tmp.mkdir()
         for f in ("model.safetensors", "tokenizer.json", "export.json"):
             (tmp / f).write_text(version)
@@ -245,7 +245,7 @@ def whole(out: Path) -> str:
 def test_export_killed_at_each_file_operation_leaves_one_whole_export(tmp_path, exchange):
     """At every instant `export` is one whole export: swapped by RENAME_EXCHANGE where the
     filesystem has it, else a symlink to a versioned folder moved by one rename."""
-    from tuneledger.export import _recover
+    from tuneledger.atomicdir import _recover
 
     out = tmp_path / "export"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -273,13 +273,13 @@ def test_export_killed_at_each_file_operation_leaves_one_whole_export(tmp_path, 
 def test_an_export_written_before_links_still_swaps_without_the_exchange(tmp_path, monkeypatch):
     """A real `export` folder (an older version's) on a filesystem without the exchange: the
     two-rename swap, whose one gap _recover undoes."""
-    import tuneledger.export as ex
+    import tuneledger.atomicdir as ad
 
-    monkeypatch.setattr(ex, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(ad, "_exchange", lambda a, b: False)
     out = tmp_path / "export"
     out.mkdir()
     (out / "export.json").write_text("old")
-    with ex.atomic_dir(out) as tmp:
+    with ad.atomic_dir(out) as tmp:
         tmp.mkdir()
         (tmp / "export.json").write_text("new")
     assert (out / "export.json").read_text() == "new" and not out.is_symlink()

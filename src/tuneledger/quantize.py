@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuneledger.export import atomic_dir, run_conversations
+from tuneledger.atomicdir import atomic_dir
+from tuneledger.loading import run_conversations
 from tuneledger.perms import apply_umask
 
 SCHEMES = {"awq": {"symmetric": False, "method": "AWQModifier + QuantizationModifier"},
