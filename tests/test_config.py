@@ -100,7 +100,7 @@ def test_cli_takes_file_and_overrides_before_and_after_options(monkeypatch):
 
 
 def test_ledger_counts_only_the_gpus_the_ranks_used(monkeypatch):
-    from tuneledger.dryrun import used_gpus
+    from tuneledger.launch import used_gpus
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert used_gpus(1) == ["0"] and used_gpus(2) == ["0", "1"]

@@ -27,7 +27,7 @@ from tuneledger import eta as eta_
 from tuneledger import ledger
 from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
-from tuneledger.launch import processes, run_workers
+from tuneledger.launch import processes, run_workers, used_gpus
 from tuneledger.ledger import CAP_24GB_GIB, fmt_h, plural
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.preflight import check_data
@@ -113,13 +113,6 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt, ignore_errors=True)
     return rc, result, any(run_dir.glob("oom-rank*.json"))
-
-
-def used_gpus(nproc: int) -> list[str]:
-    """The GPUs the ranks ran on: local rank r uses the r-th visible GPU."""
-    from tuneledger.monitor.summary import visible_gpus
-
-    return (visible_gpus() or [str(i) for i in range(nproc)])[:nproc]
 
 
 def verdict(row: dict, rows: list[dict], nproc: int) -> dict:

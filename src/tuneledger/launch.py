@@ -75,6 +75,13 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def used_gpus(nproc: int) -> list[str]:
+    """The GPUs the ranks ran on: local rank r uses the r-th visible GPU."""
+    from tuneledger.monitor.summary import visible_gpus
+
+    return (visible_gpus() or [str(i) for i in range(nproc)])[:nproc]
+
+
 def processes(cpu: bool, nproc: int | None) -> tuple[bool, int]:
     """(CPU run?, number of ranks): every visible GPU; with none (or `cpu`), 2 gloo processes, so
     the DDP path still runs. An explicit `nproc` wins."""

@@ -21,7 +21,7 @@ from tuneledger import eta as eta_
 from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
 from tuneledger.config import JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
-from tuneledger.launch import processes, run_workers
+from tuneledger.launch import processes, run_workers, used_gpus
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config
 from tuneledger.nodes import add_arguments as add_node_arguments
@@ -236,7 +236,6 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         return 3
     total_mib = None
     if rows:
-        from tuneledger.dryrun import used_gpus
         from tuneledger.monitor.summary import summarize_window
 
         gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
