@@ -6,6 +6,25 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
+# A misspelt variable on the command line (`make dryrun DATSET=x`) is defined and used by nothing:
+# the job ran on the demo data without a word. Warn, naming the known variable closest to it.
+# Environment-style names (HF_ENDPOINT=, CUDA_VISIBLE_DEVICES=, ...) reach the verbs' environment
+# (make exports command-line variables) and are not checked.
+KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES NODE_RANK RDZV_ENDPOINT \
+	MAX_RESTARTS LOCAL CHECKPOINT OUT PROMPT QUANT QUANT_ARGS INTERVAL PYTEST_ARGS UPGRADE BENCH_RUNS \
+	DEADLINE CAP PYTHON VENV VENV_TORCH TORCH_CPU_INDEX PYTHON_QUANT VENV_QUANT QUANT_TORCH_INDEX SYNTH \
+	DRYRUN_PRESET COMPOSE COMPOSE_FILE TUNELEDGER_GPU HOST_UID HOST_GID MEMLOCK MODELS_DIR DATA_DIR \
+	RUNS_DIR CACHE_DIR LOCK_HASH
+PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
+	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL
+UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(PASSED_VARS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
+ifneq ($(UNKNOWN_VARS),)
+UNKNOWN_SAID := $(shell command -v python3 >/dev/null && python3 -c 'import difflib, sys; k = sys.argv[2].split(); \
+	print(", ".join(u + "".join(f" (did you mean {c}?)" for c in difflib.get_close_matches(u, k, 1, 0.6)) \
+	for u in sys.argv[1].split()))' '$(UNKNOWN_VARS)' '$(KNOWN_VARS)' || echo '$(UNKNOWN_VARS)')
+$(warning tuneledger: $(UNKNOWN_SAID): unknown to this Makefile, so it changes nothing. `make help` lists the settings)
+endif
+
 # The image's Python is 3.10; use the same here so the lock installs identically.
 PYTHON ?= $(shell for p in python3.10 $$HOME/.pyenv/versions/3.10.13/bin/python3.10 python3; do \
 	$$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
@@ -67,18 +86,22 @@ NO_RUNTIME_HINT := (this host has GPUs: install the NVIDIA Container Toolkit to 
 $(info tuneledger: $(DOCKER_SAYS): $(if $(DOCKER_HAS_GPU),every GPU in the containers,CPU only$(if $(filter none,$(DOCKER_GPU)),$(if $(shell nvidia-smi -L 2>/dev/null), $(NO_RUNTIME_HINT))))$(if $(DOCKER_ROOTLESS), (rootless Docker)); compose files $(subst :, + ,$(COMPOSE_FILE)); as $(HOST_UID):$(HOST_GID))
 endif
 endif
+# LOCAL=1 runs the venv's entry point by its path: make echoes every command, and a PATH=...
+# prefix made that echo a 100-character line before each verb. (tuneledger starts its ranks with
+# its own Python, so it needs nothing on PATH.) fetch-model calls the venv's `hf`.
 ifeq ($(LOCAL),1)
-EXEC = PATH="$(abspath $(VENV))/bin:$(CURDIR)/docker:$$PATH"
+TL = $(VENV)/bin/tuneledger
+FETCH = PATH="$(abspath $(VENV))/bin:$$PATH" $(TOP)docker/fetch-model
 ENV_DEP = $(VENV)/.stamp
 TLQ = $(VENV_QUANT)/bin/tuneledger
 QENV_DEP = $(VENV_QUANT)/.stamp
 else
-EXEC = $(COMPOSE) run --rm trainer
+TL = $(COMPOSE) run --rm trainer tuneledger
+FETCH = $(COMPOSE) run --rm trainer fetch-model
 ENV_DEP = host-dirs
 TLQ = $(COMPOSE) run --rm quantize tuneledger
 QENV_DEP = host-dirs
 endif
-TL = $(EXEC) tuneledger
 
 # With a GPU the default job is the reference QLoRA config on the synthetic Qwen2.5-7B; without
 # one it is the same job on a tiny random Qwen2 (CPU, gloo), so `make dryrun` runs anywhere.
@@ -111,15 +134,18 @@ MODEL_OVERRIDE :=
 JOB_MODEL = $(CONFIG_MODEL)
 endif
 
-# Make variables -> key=value overrides, in LLaMA-Factory's key names.
+# Make variables -> key=value overrides, in LLaMA-Factory's key names. The verbs' command lines
+# are stripped (no runs of blanks in make's echo where a variable is unset), all but ARGS, kept as
+# given: a value there may hold blanks.
 OVERRIDES := $(MODEL_OVERRIDE) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
-	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS)) $(ARGS)
+	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS))
+WITH_ARGS = $(if $(ARGS), $(ARGS))
 # Make variables -> torchrun's c10d rendezvous across nodes (tuneledger.nodes); empty = one node.
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor fetch image host-dirs compose-check lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor monitor-up monitor-stop fetch image host-dirs compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -182,13 +208,13 @@ models/synthetic-%/config.json: | $(ENV_DEP)
 MODEL_DEP = $(if $(filter models/synthetic-%,$(patsubst ./%,%,$(JOB_MODEL))),$(patsubst ./%,%,$(JOB_MODEL))/config.json)
 
 stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
-	$(TL) stats $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES)
+	$(strip $(TL) stats $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES))$(WITH_ARGS)
 
 dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D)
-	$(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)
+	$(strip $(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES))$(WITH_ARGS)
 
 train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
-	$(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES)
+	$(strip $(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES))$(WITH_ARGS)
 
 # The run of export, chat and eval: RUN (a path when it holds a /, else runs/RUN). Without RUN the
 # verb reads CONFIG itself (a LLaMA-Factory merge/inference/predict yaml, or a training config:
@@ -250,12 +276,29 @@ clean-cache: ## drop the tokenized-data cache
 
 # ---- the container, the locks, lint ------------------------------------------------------------
 INTERVAL ?= 5
-monitor: $(ENV_DEP) ## sample every GPU into runs/monitor/ each INTERVAL=5 s (`docker compose up -d monitor` runs it beside a job)
+monitor: $(ENV_DEP) ## sample every GPU into runs/monitor/ each INTERVAL=5 s, in the foreground (make monitor-up: in the background)
 	$(TL) monitor --interval $(INTERVAL)
 
+# The monitor service of docker-compose.yml, detached, beside a job: with the GPU overlay make
+# picked (COMPOSE_FILE) and whichever Compose is installed (`docker compose`, else Debian 12's
+# docker-compose v1). It restarts with Docker until monitor-stop. Without Docker there is no
+# service to start: `make monitor` samples in the foreground. INTERVAL= wins over .env's MONITOR_INTERVAL.
+NEEDS_DOCKER = @test "$(LOCAL)" != 1 || { echo "make $@ is about the monitor container, and this make runs in the host venv \
+(LOCAL=1: no Docker engine, or no Compose). Without Docker, \`make monitor\` samples in the foreground (a second terminal, or nohup)."; exit 2; }
+UP_INTERVAL = $(if $(filter command line environment,$(origin INTERVAL)),$(INTERVAL),$(or $(call dotenv,MONITOR_INTERVAL),5))
+monitor-up: host-dirs ## start the monitor container detached (docker compose or docker-compose): runs/monitor/<host>-<date>.csv; make monitor-stop ends it
+	$(NEEDS_DOCKER)
+	MONITOR_INTERVAL=$(UP_INTERVAL) $(COMPOSE) up -d monitor
+	@echo "monitor: sampling every $(UP_INTERVAL) s into $(or $(RUNS_DIR),$(call dotenv,RUNS_DIR),runs)/monitor/ ($(COMPOSE) ps monitor: its health; make monitor-stop ends it)"
+
+monitor-stop: ## stop and remove the monitor container that make monitor-up started
+	$(NEEDS_DOCKER)
+	$(COMPOSE) rm --stop --force monitor
+
+# Not echoed: fetch-model says itself what it fetches, from where, into which folder.
 fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or ModelScope with USE_MODELSCOPE_HUB=1)
 	@case "$(origin MODEL)" in "command line"|environment) ;; *) echo "usage: make fetch MODEL=<hub id>, e.g. Qwen/Qwen2.5-7B-Instruct"; exit 2;; esac
-	$(EXEC) fetch-model $(MODEL)
+	@$(FETCH) $(MODEL)
 
 # docker/build: BuildKit where the Docker client has it, else the legacy builder (it says so, and
 # names the package that brings buildx); the OCI labels revision, created and source from git.

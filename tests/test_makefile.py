@@ -103,3 +103,52 @@ def test_export_chat_eval_reach_a_run_by_path_or_config(tmp_path):
         make_n("quantize", f"CONFIG={train}", "LOCAL=1").stdout, "quantize")
     assert "tuneledger eval ../r --dataset h.json" in verb_line(
         make_n("eval", "RUN=../r", "DATASET=h.json", "LOCAL=1").stdout, "eval")
+
+
+def test_local_verbs_echo_the_command_not_a_path_prefix():
+    """Issue 21 (14): a PATH="..." prefix made make's echo a 100-character line before every verb."""
+    out = make_n("dryrun", "LOCAL=1", "NPROC=2").stdout
+    assert "PATH=" not in out
+    line = verb_line(out, "dryrun")
+    assert line.startswith(".venv/bin/tuneledger dryrun ") and "  " not in line  # no runs of blanks
+    assert verb_line(make_n("train", "LOCAL=1", "ARGS=default_system='a  b'").stdout, "train").endswith(" default_system='a  b'")
+
+
+def test_a_misspelt_command_line_variable_is_warned_with_the_close_one():
+    p = make_n("dryrun", "LOCAL=1", "DATSET=x.json", "FOO=1")
+    assert "DATSET (did you mean DATASET?), FOO: unknown to this Makefile, so it changes nothing" in p.stderr
+    quiet = make_n("dryrun", "LOCAL=1", "DATASET=x.json", "HF_ENDPOINT=https://hf-mirror.com", "CUDA_VISIBLE_DEVICES=0")
+    assert "unknown to this Makefile" not in quiet.stderr  # known ones, and environment-style names
+
+
+def fake_docker(tmp_path, compose_v2: bool) -> dict:
+    """A PATH whose `docker` answers `info` (an engine, no GPU) and has the Compose v2 plugin or not;
+    without it a `docker-compose` (v1, Debian 12's package) is there."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text('#!/bin/sh\ncase "$1" in info) echo "{}";; compose) exit %d;; esac\n' % (0 if compose_v2 else 1))
+    (bin_dir / "docker").chmod(0o755)
+    if not compose_v2:
+        (bin_dir / "docker-compose").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "docker-compose").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "TUNELEDGER_GPU": "none"}
+
+
+@pytest.mark.parametrize("v2, compose", [(True, "docker compose"), (False, "docker-compose")])
+def test_monitor_up_and_stop_use_either_compose_spelling(tmp_path, v2, compose):
+    """Issue 21 (16): the sidecar detached and stopped by make, through whichever Compose is here."""
+    env = fake_docker(tmp_path, v2)
+    up = make_n("monitor-up", env=env)
+    assert up.returncode == 0, up.stderr
+    assert f"MONITOR_INTERVAL=5 {compose} up -d monitor" in up.stdout.splitlines()
+    assert f"MONITOR_INTERVAL=2 {compose} up -d monitor" in make_n("monitor-up", "INTERVAL=2", env=env).stdout
+    assert f"{compose} rm --stop --force monitor" in make_n("monitor-stop", env=env).stdout.splitlines()
+    assert "tuneledger monitor --interval 5" in make_n("monitor", env=env).stdout  # the foreground sampler stays
+
+
+def test_monitor_up_without_docker_says_what_to_run_instead():
+    p = subprocess.run(["make", "--no-print-directory", "monitor-stop", "LOCAL=1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "`make monitor` samples in the foreground" in p.stdout

@@ -212,3 +212,53 @@ def test_peak_memory_is_the_gpus_or_on_a_cpu_the_rss():
     assert peak_mib({"memory_mib": [{"peak_allocated": 900, "peak_rss": 5000}, {"peak_allocated": 1200}]}) == "1,200"
     assert peak_mib({"memory_mib": [{"peak_allocated": None, "peak_rss": 1973}, {"peak_allocated": None, "peak_rss": 2100}]}) == "2,100 RSS"
     assert peak_mib({"memory_mib": [{"peak_allocated": None}]}) == "-"
+
+
+def test_no_progress_bars_in_a_log_file(tmp_path, tiny_model):
+    """Issue 21 (14): off a terminal, tqdm's redraws (carriage returns) left every state of the bar
+    on one line of the log: `tokenizing 500 records: 0%| ... 13%| ... 100%|`."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    import procs
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    synth = procs.run([sys.executable, "-m", "tuneledger", "synth-model", "--arch", "tiny", str(tmp_path / "m")],
+                      cwd=root, env=env)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(8)))
+    stats = procs.run([sys.executable, "-m", "tuneledger", "stats", f"model_name_or_path={tiny_model}", f"dataset={data}",
+                       f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}", "quantization_bit=null",
+                       "global_batch_size=2"], cwd=root, env=env)
+    assert synth.returncode == stats.returncode == 0, synth.stderr + stats.stderr
+    for p in (synth, stats):
+        assert "\r" not in p.stdout + p.stderr and "%|" not in p.stderr
+    assert "wrote " in stats.stdout  # it ran through: the tokenizing (a bar before) happened
+
+
+def test_bars_are_off_only_off_a_terminal(monkeypatch):
+    import io
+    import os
+    import sys
+
+    from tuneledger import quiet
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a file: not a terminal
+    quiet.no_bars_off_a_terminal()
+    assert os.environ["TQDM_DISABLE"] == "1"
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # the user's own setting stands
+    quiet.no_bars_off_a_terminal()
+    assert os.environ["TQDM_DISABLE"] == "0"
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("TQDM_DISABLE")
+    monkeypatch.setattr(sys, "stderr", Tty())
+    quiet.no_bars_off_a_terminal()
+    assert "TQDM_DISABLE" not in os.environ

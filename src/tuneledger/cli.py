@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     # held the command's exit for seconds (tens on a loaded 2-core machine). A compile still works.
     os.environ.setdefault("TORCH_WARM_POOL", "0")
     from tuneledger import quiet
+
+    quiet.no_bars_off_a_terminal()  # before the imports below: tqdm reads it at its import
     from tuneledger.config import ConfigError
     from tuneledger.model import PreflightError
 

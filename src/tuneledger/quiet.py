@@ -6,6 +6,8 @@ Each entry says why it carries no information here. Everything else the librarie
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 # logger name -> message prefixes dropped from it
 DROPPED = {
@@ -22,6 +24,17 @@ class _Drop(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.prefixes)
+
+
+def no_bars_off_a_terminal() -> None:
+    """No progress bars when stderr (where tqdm draws) is not a terminal: in a log file or a pipe
+    (`make dryrun > log`, `| tee`) each redraw's carriage return left every state of the bar on
+    one line (`tokenizing 500 records: 0%| ... 13%| ... 100%|`). TQDM_DISABLE is read when tqdm is
+    imported, so this must run before the libraries load; it reaches the ranks (they inherit the
+    environment) and datasets' and the hub's bars too (both are tqdm's, and pass no `disable`).
+    A value the user set stands."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def install() -> None:
