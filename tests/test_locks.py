@@ -41,3 +41,24 @@ def test_the_cpu_lock_drops_exactly_torch_triton_liger_and_the_cuda_libraries():
 
     whole = dict(blocks((ROOT / "requirements.txt").read_text()))
     assert all(whole[name] == block for name, block in blocks(out))  # each kept block whole, hashes and all
+
+
+def test_the_package_metadata_builds_without_a_deprecation_warning(tmp_path):
+    """Issue 21 (15): `license = { text = ... }` printed setuptools' deprecation at every install
+    (twice per `make test` on a fresh clone). The SPDX string needs setuptools >= 77: every lock pins one."""
+    import shutil
+
+    for lock in ("requirements.txt", "requirements-quant.txt", "docker/image-extras.txt"):
+        version = pins((ROOT / lock).read_text())["setuptools"]
+        assert int(version.split(".")[0]) >= 77, (lock, version)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    (tmp_path / "out").mkdir()
+    p = subprocess.run([sys.executable, "-W", "default", "-c", "from setuptools import build_meta as b; "
+                        "print(b.prepare_metadata_for_build_wheel('out'))"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "Deprecat" not in p.stderr + p.stdout, p.stderr
+    meta = next((tmp_path / "out").glob("*.dist-info")) / "METADATA"
+    assert "License-Expression: Apache-2.0" in meta.read_text()
