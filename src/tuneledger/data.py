@@ -69,7 +69,7 @@ class Invalid:
 
 
 # ---------------------------------------------------------------------------------------- reading
-def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+def read_records(path: str | Path, seen: dict | None = None) -> Iterator[tuple[str, Any]]:
     """Yield (location, parsed object or Invalid) for every record of a .json or .jsonl file.
 
     Every fault of one record is yielded as an Invalid and the rest of the file still counts: a
@@ -77,7 +77,8 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     record with bytes that are not UTF-8 (see `bad_text`), JSON nested too deeply, a number
     Python refuses. A UTF-8 byte-order mark is accepted at the start of the file and, in JSONL, of
     any line (files joined with `cat`). Raises DataError when the file is missing or a .json
-    file does not parse as a whole, with line:column.
+    file does not parse as a whole, with line:column. `seen["bytes"]`, if given, grows by the
+    bytes read (a progress line's ETA).
     """
     path = Path(path)
     if not path.is_file():
@@ -85,10 +86,10 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     from tuneledger import records
 
     if path.suffix == ".jsonl" or (path.suffix != ".json" and records.first_char(path) != "["):
-        yield from records.iter_jsonl(path, _parse_line)
+        yield from records.iter_jsonl(path, _parse_line, seen)
         return
     try:
-        for i, obj, raw_surrogates, line in records.iter_json_list(path):
+        for i, obj, raw_surrogates, line in records.iter_json_list(path, seen):
             where = f"{path}:{line} (record {i + 1})"  # like JSONL's file:line; a record number for a one-line list
             field, bad = _first_bad_text(obj, escaped=not raw_surrogates)
             yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
