@@ -174,3 +174,26 @@ def test_allocator_cache_is_not_memory_pressure():
     assert abs(v["diagnosis_inputs"]["mem_peak_frac"] - 70908 / 143771) < 1e-3
     assert v["diagnosis"]["bottleneck"] == "compute-bound"
     assert v["gpu_window"]["util_mean_pct"] >= 75
+
+
+def test_a_cpu_run_is_not_sent_to_the_gpu_monitor():
+    """Issue 21 (18): a CPU dry-run's verdict advised `tuneledger monitor`, which samples GPUs."""
+    base = {"util_mean_pct": None, "mem_peak_frac": None, "allreduce_share": 0.05, "data_wait_share": 0.01,
+            "micro_batch": 1, "gradient_checkpointing": True, "mfu": 0.001}
+    assert "tuneledger monitor" in diagnose(base)["lever"]  # GPUs without NVML samples: the monitor measures them
+    cpu = diagnose({**base, "on_cpu": True})
+    assert cpu["bottleneck"] == "unknown" and not cpu["inferred"]
+    assert "monitor" not in cpu["lever"] + cpu["line"] and "GPUs that will train" in cpu["lever"]
+    assert "a CPU run" in cpu["line"]
+    # What a CPU run does measure still counts.
+    assert diagnose({**base, "on_cpu": True, "data_wait_share": 0.5})["bottleneck"] == "input-bound"
+
+
+def test_the_dryrun_passes_a_cpu_run_to_the_verdict():
+    from tuneledger.dryrun import verdict
+
+    row = {"window_utc": ["2026-01-01T00:00:00+00:00", "2026-01-01T00:01:00+00:00"], "memory_mib": [{"peak_allocated": None}],
+           "split": {"allreduce_s": 0.1, "sync_wait_s": 0.0, "data_wait_s": 0.0}, "s_per_step": 4.0,
+           "micro_batch": 1, "gradient_checkpointing": True, "mfu": 0.0001}
+    v = verdict(row, [], nproc=2, cpu=True)
+    assert v["diagnosis_inputs"]["on_cpu"] is True and "monitor" not in v["diagnosis"]["lever"]

@@ -32,6 +32,7 @@ def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_mode
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     led = json.loads((tmp_path / "dry" / "dryrun.json").read_text())
     assert led["world_size"] == 2 and led["backend"] == "gloo" and led["synthetic"] is True
+    assert not any("monitor" in v for v in led["verdicts"].values())  # no GPU for it to sample (issue 21.18)
     assert [r["preset"] for r in led["presets"]] == ["A", "B", "C", "D"]
     for r in led["presets"]:
         assert r["steps_measured"] == 2 and r["warmup_steps_excluded"] == 1

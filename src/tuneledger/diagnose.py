@@ -13,6 +13,9 @@ steady window (all optional; None = not measured):
     mfu                    model FLOPs utilisation, 0-1 (ledger.mfu)
     imbalance, util_spread_pts   from monitor.summary.summarize_window, to name a slow rank
                            (a spread above imbalance_util_pts counts as imbalance)
+    on_cpu                 a CPU run (gloo): there is no GPU to measure, so only rules 1 and 2
+                           apply, and the lever of "unknown" is a dry-run on the GPUs, not the
+                           monitor (it samples GPUs: on a CPU it has nothing to measure)
 
 Rules, first match wins (time that is measured as lost outranks what utilisation suggests):
   1. allreduce_share >= comm_share           -> communication-bound
@@ -126,7 +129,9 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
     # flag used the default). Without a spread, take the flag as given.
     imbalance = spread > t.imbalance_util_pts if spread is not None else bool(inputs.get("imbalance"))
 
-    facts = [f"GPU util {util:.0f}%" if util is not None else "GPU util unavailable (no NVML samples)",
+    cpu = bool(inputs.get("on_cpu"))
+    facts = [f"GPU util {util:.0f}%" if util is not None else
+             "a CPU run: no GPU util" if cpu else "GPU util unavailable (no NVML samples)",
              f"memory peak {_pct(mem)} of the GPU", f"all-reduce + sync {_pct(comm)} of a step",
              f"data wait {_pct(data)}"]
     if mb is not None:
@@ -179,6 +184,11 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
         why = (f"the GPU is busy only {util:.0f}% of the time (< {t.host_util_pct:.0f}%) and neither data wait nor "
                "all-reduce explains it: it idles between many small kernels the host launches")
         lever = _host_lever(mb, gc, mem_note)
+    elif cpu and util is None:
+        # A CPU's step time says nothing of a GPU's bottleneck (MFU here is against no GPU's peak).
+        kind = "unknown"
+        why = "a CPU run measures no GPU, and neither all-reduce nor data wait is above its threshold"
+        lever = "dry-run on the GPUs that will train for a verdict (make dryrun there)"
     elif mfu is not None and mb is not None and mfu < t.host_mfu and mb <= t.host_micro_batch:
         kind, inferred = "host-bound", True
         why = (f"GPU util unavailable; MFU {mfu:.1%} < {t.host_mfu:.0%} at micro-batch {mb} with no data wait or "

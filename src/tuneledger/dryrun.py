@@ -115,9 +115,10 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     return rc, result, any(run_dir.glob("oom-rank*.json"))
 
 
-def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
+def verdict(row: dict, rows: list[dict], nproc: int, cpu: bool = False) -> dict:
     """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict.
-    Only the GPUs the ranks used count: an idle neighbour must not dilute the utilisation."""
+    Only the GPUs the ranks used count: an idle neighbour must not dilute the utilisation.
+    `cpu`: a CPU run, whose verdict does not send the user to the GPU monitor."""
     from tuneledger.diagnose import diagnose, load_thresholds
     from tuneledger.monitor.summary import summarize_window
 
@@ -135,6 +136,7 @@ def verdict(row: dict, rows: list[dict], nproc: int) -> dict:
         "data_wait_share": split["data_wait_s"] / row["s_per_step"],
         "micro_batch": row["micro_batch"], "gradient_checkpointing": row["gradient_checkpointing"], "mfu": row["mfu"],
         "imbalance": gpu["imbalance"] if gpu else None, "util_spread_pts": gpu["util_spread_pts"] if gpu else None,
+        "on_cpu": cpu,
     }
     return {"gpu_window": gpu, "diagnosis_inputs": inputs, "diagnosis": diagnose(inputs, load_thresholds())}
 
@@ -524,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"node {nodes.node_rank}: {len(done)} preset(s) ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
         return 0 if done else 1
     for r in done:
-        r.update(verdict(r, samples, nproc))
+        r.update(verdict(r, samples, nproc, cpu))
     first = next(iter(results.values()), None)
     led = {
         "run_name": base.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
