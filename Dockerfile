@@ -67,7 +67,7 @@ ARG BITSANDBYTES_VERSION=0.50.2
 ARG DATASETS_VERSION=5.2.0
 ARG FLASH_ATTN_VERSION=2.8.3
 COPY requirements.txt /tmp/lock/
-COPY docker/install.sh docker/lockfilter.py docker/torch-cu121-wheel.txt docker/torch-cu121.txt docker/image-extras.txt /tmp/lock/docker/
+COPY docker/install.sh docker/lockfilter.py docker/lock-hash docker/torch-cu121-wheel.txt docker/torch-cu121.txt docker/image-extras.txt /tmp/lock/docker/
 RUN --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
     /tmp/lock/docker/install.sh && rm -rf /tmp/lock
@@ -111,6 +111,8 @@ ARG BASE_IMAGE
 ARG IMAGE_REVISION=
 ARG IMAGE_CREATED=
 ARG IMAGE_SOURCE=
+# The lock files' hash (docker/lock-hash trainer): two images with the same one hold the same pins.
+ARG IMAGE_LOCKS_SHA256=
 LABEL org.opencontainers.image.title="tuneledger" \
       org.opencontainers.image.description="Measure, then fine-tune: distributed LoRA/QLoRA of ~7B chat models" \
       org.opencontainers.image.licenses="Apache-2.0" \
@@ -127,7 +129,9 @@ LABEL org.opencontainers.image.title="tuneledger" \
       io.tuneledger.accelerate="${ACCELERATE_VERSION}" \
       io.tuneledger.bitsandbytes="${BITSANDBYTES_VERSION}" \
       io.tuneledger.datasets="${DATASETS_VERSION}" \
-      io.tuneledger.flash-attn="${FLASH_ATTN_VERSION}"
+      io.tuneledger.flash-attn="${FLASH_ATTN_VERSION}" \
+      io.tuneledger.locks="requirements.txt docker/torch-cu121-wheel.txt docker/torch-cu121.txt docker/image-extras.txt" \
+      io.tuneledger.locks.sha256="${IMAGE_LOCKS_SHA256}"
 
 USER ${USER_UID}:${USER_GID}
 WORKDIR /workspace

@@ -14,7 +14,7 @@ KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES 
 	MAX_RESTARTS LOCAL CHECKPOINT OUT PROMPT QUANT QUANT_ARGS INTERVAL PYTEST_ARGS UPGRADE BENCH_RUNS \
 	DEADLINE CAP PYTHON VENV VENV_TORCH TORCH_CPU_INDEX PYTHON_QUANT VENV_QUANT QUANT_TORCH_INDEX SYNTH \
 	DRYRUN_PRESET COMPOSE COMPOSE_FILE TUNELEDGER_GPU HOST_UID HOST_GID MEMLOCK MODELS_DIR DATA_DIR \
-	RUNS_DIR CACHE_DIR LOCK_HASH
+	RUNS_DIR CACHE_DIR
 PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
 	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL
 UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(PASSED_VARS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
@@ -366,7 +366,7 @@ lint: $(VENV)/.stamp ## hadolint the Dockerfiles, validate docker-compose.yml an
 	$(VENV)/bin/check-jsonschema --schemafile deploy/k8s/schemas/jobset-jobset.x-k8s.io-v1alpha2.json deploy/k8s/jobset.yaml
 	$(VENV)/bin/python docker/check-settings.py
 	$(VENV)/bin/python -c 'import ast; ast.parse(open("docker/monitor-health").read())'
-	@for f in docker/*.sh docker/fetch-model docker/build docker/engine-facts .ci/run .ci/*.sh bench/*.sh deploy/slurm/*.sbatch; do bash -n "$$f" || exit 1; done
+	@for f in docker/*.sh docker/fetch-model docker/build docker/engine-facts docker/lock-hash .ci/run .ci/*.sh bench/*.sh deploy/slurm/*.sbatch; do bash -n "$$f" || exit 1; done
 	@c=$$(command -v docker-compose >/dev/null 2>&1 && echo docker-compose || { docker compose version >/dev/null 2>&1 && echo "docker compose"; }); \
 	if [ -z "$$c" ]; then echo "lint: no docker compose here: \`config\` skipped (the compose-spec schema check ran)"; \
 	else for o in "" docker-compose.gpu.yml docker-compose.cdi.yml; do \

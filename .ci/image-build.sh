@@ -66,7 +66,7 @@ cleanup() {
         echo "image: dockerd (pid $dockerd_pid) stopped"
         [ -n "$had_bridge" ] || ip link delete docker0 2>/dev/null  # the bridge it made, not another engine's
     fi
-    rm -rf "$work"
+    bash "$root/.ci/rm-tree.sh" "$work"  # unmounts dockerd's exec/netns/default first
     exit $rc
 }
 trap cleanup EXIT

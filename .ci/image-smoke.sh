@@ -134,17 +134,21 @@ print(f"  compose passes IMAGE_PYTHON and IMAGE_PYTHON_APT_PACKAGES as build arg
 PY
 
 step "any HOST_UID/HOST_GID builds (issue 11.2): the image's add-user step, with IDs the base has and has not"
+# The user of UID must end with GID as its group, a reused one too (it printed gid=1000 for
+# "1000 100" and gid=0 for "0 100" and passed: issue 21.18).
 for ids in "0 0" "1000 100" "4242 100" "4242 4242" "0 100"; do
-    out=$($docker run --rm --user 0 --entrypoint sh "$IMAGE" -c "tuneledger-add-user $ids >/dev/null && id \$(getent passwd ${ids%% *} | cut -d: -f1)") \
+    out=$($docker run --rm --user 0 --entrypoint sh "$IMAGE" -c "tuneledger-add-user $ids >/dev/null \
+        && u=\$(getent passwd ${ids%% *} | cut -d: -f1) && echo \"\$(id -u \$u):\$(id -g \$u) \$(id \$u)\"") \
         || fail "add-user $ids"
-    echo "  HOST_UID/GID $ids: $out"
+    echo "  HOST_UID/GID $ids: ${out#* }"
+    [ "${out%% *}" = "${ids% *}:${ids#* }" ] || fail "add-user $ids: the user is ${out%% *}, not ${ids% *}:${ids#* }"
 done
 
 step "tuneledger --version; the build record against the image's labels; the attention backend"
 run tuneledger --version
 run cat /opt/venv/tuneledger-image.json >"$work/record.json"
 $docker image inspect "$IMAGE" --format '{{json .Config.Labels}}' >"$work/labels.json"
-"$py" - "$work/record.json" "$work/labels.json" <<'PY'
+"$py" - "$work/record.json" "$work/labels.json" "$(docker/lock-hash trainer)" <<'PY'
 import json, sys
 rec, labels = (json.load(open(p)) for p in sys.argv[1:3])
 print("  " + ", ".join(f"{k}={v}" for k, v in rec.items()))
@@ -154,9 +158,15 @@ want = {"io.tuneledger.cuda": rec["torch_cuda"], "io.tuneledger.torch": rec["tor
 bad = [f"{k}: label {labels.get(k)!r}, installed {v!r}" for k, v in want.items() if labels.get(k) != v]
 if not rec["python"].startswith(labels.get("io.tuneledger.python", "?") + "."):
     bad.append(f"python: label {labels.get('io.tuneledger.python')!r}, installed {rec['python']!r}")
+# The locks' hash (issue 21.18): the label make image computed on the checkout, the hash of the
+# files the build installed, and this checkout's must be one.
+here = sys.argv[3]
+if not (labels.get("io.tuneledger.locks.sha256") == rec.get("locks_sha256") == here):
+    bad.append(f"locks: label {labels.get('io.tuneledger.locks.sha256')!r}, installed {rec.get('locks_sha256')!r}, "
+               f"this checkout {here!r} (docker/lock-hash trainer)")
 if bad:
     sys.exit("labels disagree with the image: " + "; ".join(bad))
-print("  every io.tuneledger.* label matches what is installed")
+print(f"  every io.tuneledger.* label matches what is installed; the locks' sha256 {here[:16]}... too")
 PY
 # The OCI labels of where the image came from (issue 11.7).
 "$py" - "$work/labels.json" "${EXPECT_REVISION:-}" <<'PY'

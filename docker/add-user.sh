@@ -1,8 +1,10 @@
 #!/bin/sh
 # The image's user, for any HOST_UID/HOST_GID: add-user.sh UID GID (run by the Dockerfiles as root).
 #   A GID the base already has (0 root, 100 users, ...) is reused, else group `tuneledger` is made.
-#   A UID the base already has (0 root, a base's own user such as ubuntu 1000) is reused, else user
-#   `tuneledger` is made, with a home, in that group. (tuneledger-<ID> where the name is taken.)
+#   A UID the base already has (0 root, a base's own user such as ubuntu 1000) is reused, with that
+#   group made its primary group when it was another (root for 0:100 gets group users): else the
+#   image's user would say GID 0 where HOST_GID asked 100. Otherwise user `tuneledger` is made,
+#   with a home, in that group. (tuneledger-<ID> where the name is taken.)
 # Compose runs the containers as HOST_UID:HOST_GID whatever the names; this gives the IDs a name and
 # /workspace an owner. Prints what it settled on.
 set -eu
@@ -18,6 +20,11 @@ fi
 user=$(getent passwd "$uid" | cut -d: -f1)
 if [ -n "$user" ]; then
     echo "add-user: UID $uid exists in the base: user $user"
+    had=$(getent passwd "$uid" | cut -d: -f4)
+    if [ "$had" != "$gid" ]; then
+        usermod --gid "$gid" "$user"
+        echo "add-user: $user's group was $had, now $group ($gid)"
+    fi
 else
     # --no-log-init: a large UID would otherwise grow /var/log/lastlog to gigabytes.
     user=tuneledger

@@ -112,7 +112,9 @@ step "pip check: one consistent set"
 pip check
 
 step "installed versions against the image's labels"
-python - <<'PY'
+# The locks' hash from the very files installed, for the smoke test to hold against the label that
+# `make image` computed on the checkout (docker/lock-hash: same files, same relative paths).
+LOCKS_SHA256=$(sh "$here/lock-hash" trainer "$lock") python - <<'PY'
 import json, os, sys
 from importlib.metadata import PackageNotFoundError, version
 import torch
@@ -120,7 +122,7 @@ labels = {"torch": "TORCH_VERSION", "transformers": "TRANSFORMERS_VERSION", "pef
           "accelerate": "ACCELERATE_VERSION", "bitsandbytes": "BITSANDBYTES_VERSION",
           "datasets": "DATASETS_VERSION", "flash-attn": "FLASH_ATTN_VERSION"}
 record = {"python": sys.version.split()[0], "torch_cuda": torch.version.cuda,
-          "torch_cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI)}
+          "torch_cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "locks_sha256": os.environ["LOCKS_SHA256"]}
 bad = []
 want_py = os.environ.get("PYTHON_VERSION")
 if want_py and not record["python"].startswith(want_py + "."):
