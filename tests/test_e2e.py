@@ -112,7 +112,7 @@ def test_sigterm_to_the_dryrun_launcher_stops_every_rank(tmp_path, tiny_model):
         while len(ranks) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
             ranks = [rank for torchrun in psutil.Process(proc.pid).children() for rank in torchrun.children()
-                     if "tuneledger.trainer" in rank.cmdline()]  # torchrun's children, not torchrun itself
+                     if "tuneledger.worker" in rank.cmdline()]  # torchrun's children, not torchrun itself
         assert len(ranks) == 2, (tmp_path / "out.log").read_text()[-3000:]
         assert all(r.pid == os.getsid(r.pid) for r in ranks)  # each rank leads its own session
         proc.send_signal(signal.SIGTERM)  # to the launcher alone

@@ -146,7 +146,7 @@ def test_explicit_checkpoint_without_optimizer_is_refused(tmp_path):
 
 
 def test_a_checkpoint_missing_its_config_is_never_sealed_nor_passes_the_settings_check(tmp_path):
-    from tuneledger.trainer import resume_conflicts
+    from tuneledger.guards import resume_conflicts
 
     c = fake_checkpoint(tmp_path / "run", 2, seal=False)
     (c / ck.CONFIG).unlink()
@@ -159,7 +159,7 @@ def test_a_checkpoint_missing_its_config_is_never_sealed_nor_passes_the_settings
 
 # ------------------------------------------------------------------------------ item 3: data hash
 def test_changed_data_is_named_with_both_hashes(tmp_path):
-    from tuneledger.trainer import data_changes
+    from tuneledger.guards import data_changes
 
     c = fake_checkpoint(tmp_path / "run", 2)
     (c / ck.DATA).write_text(json.dumps({"data_files": {"d.jsonl": "aaa", "e.jsonl": "bbb"}}))
@@ -301,7 +301,7 @@ def state(step):
 
 
 def test_nonfinite_loss_or_grad_norm_stops_before_the_save(capsys):
-    from tuneledger.trainer import NonFiniteGuard
+    from tuneledger.guards import NonFiniteGuard
 
     g, args = NonFiniteGuard(), train_cfg(Path("r"))
     c = control()
@@ -320,7 +320,7 @@ def test_nonfinite_loss_or_grad_norm_stops_before_the_save(capsys):
 
 
 def test_collapse_warns_once(capsys):
-    from tuneledger.trainer import NonFiniteGuard
+    from tuneledger.guards import NonFiniteGuard
 
     g, args, c = NonFiniteGuard(), train_cfg(Path("r")), control()
     for step in (1, 2, 3):  # a healthy run never warns
@@ -339,7 +339,7 @@ def test_collapse_warns_once(capsys):
 def test_disk_full_errors_are_recognised_in_every_form_they_take(tmp_path):
     import errno
 
-    from tuneledger.trainer import disk_full, disk_full_message
+    from tuneledger.guards import disk_full, disk_full_message
 
     assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
     assert disk_full(RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/3: file write failed"))
@@ -407,7 +407,7 @@ def test_step_health_reads_the_step_log_and_the_adapter():
 
     import torch
 
-    from tuneledger.trainer import step_health
+    from tuneledger.guards import step_health
 
     m = torch.nn.Linear(4, 4)
     m.bias.requires_grad_(False)

@@ -302,7 +302,7 @@ def test_val_size_holds_out_by_seed_and_shrinks_the_steps():
     import datasets
 
     from tuneledger.data import holdout_count, with_batch
-    from tuneledger.trainer import split_eval
+    from tuneledger.worker import split_eval
 
     assert [holdout_count(26, v) for v in (0, 0.1, 0.5, 5, 40)] == [0, 3, 13, 5, 26]
     cfg = load_config(None, ["model_name_or_path=m", "dataset=a.json", "val_size=0.1", "global_batch_size=4"])

@@ -57,7 +57,7 @@ def test_missing_tensorboard_fails_with_the_fix(tiny_model, tmp_path, monkeypatc
 
 
 def test_missing_tensorboard_never_crashes_a_run_after_load(monkeypatch, capsys):
-    from tuneledger.trainer import resolve_report_to
+    from tuneledger.worker import resolve_report_to
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]})

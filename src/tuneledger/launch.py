@@ -183,7 +183,7 @@ def loopback_env(env: dict) -> dict:
 
 def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = None, nodes: Nodes | None = None,
                 rdzv_id: str = "tuneledger", outcome: dict | None = None) -> int:
-    """Write `job` to `job_path` and run `nproc` ranks of tuneledger.trainer on it; return the exit code.
+    """Write `job` to `job_path` and run `nproc` ranks of tuneledger.worker on it; return the exit code.
 
     Output streams to the terminal and, when `log_path` is given, to that file as well. With
     `nodes` of several nodes, this node's ranks join the others through torchrun's c10d
@@ -198,7 +198,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     """
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
-    target = ["-m", "tuneledger.trainer", str(job_path)]
+    target = ["-m", "tuneledger.worker", str(job_path)]
     if nodes and nodes.multi:
         # Several nodes: the store and the ranks must listen where the other nodes can reach them.
         cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(nproc, rdzv_id), *target]

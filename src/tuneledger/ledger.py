@@ -65,7 +65,7 @@ def spread(xs: list[float]) -> dict:
 
 
 def summarize_run(result: dict, warmup: int) -> dict:
-    """Steady-state numbers of one dry-run result (trainer.fit's return value).
+    """Steady-state numbers of one dry-run result (worker.fit's return value).
 
     Returns s_per_step (the median, s) with step_spread and every step's duration, tokens_per_s
     (aggregate, at the median step), tokens_per_s_mean (over the window's wall time: the mean step),

@@ -40,7 +40,7 @@ class StepProgress(TrainerCallback):
 
     `job["progress"]` (optional): {"label", "later_presets", "started_wall"} from the launcher.
     `dryrun`: the line says "this preset ..." and counts the presets after it; a training's says ETA.
-    `earlier_s` is accepted and unused: the worker (trainer.py) still passes it, and the wall times
+    `earlier_s` is accepted and unused: the worker (worker.py) still passes it, and the wall times
     of earlier presets no longer go into the estimate (see the module's docstring).
     """
 

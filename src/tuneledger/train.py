@@ -140,7 +140,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         print(f"tuneledger train: {e}", file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
-    from tuneledger.trainer import data_changes, resume_conflicts  # torch: only once a run is asked for
+    from tuneledger.guards import data_changes, resume_conflicts  # torch: only once a run is asked for
 
     resume, refusal = pick_checkpoint(cfg, rename_damaged=nodes.first)
     if refusal:

@@ -1,0 +1,218 @@
+"""What the worker measures, and how (dry-run and train alike): the probes behind the ledger.
+
+- `Clock` and `StepTimer`: CUDA events (no host sync) at each micro-batch boundary, before and
+  after the optimizer and at step end, read once after training;
+- `EvalCounter`: eval micro-batches per rank; `SyncDebug`: TUNELEDGER_SYNC_DEBUG=N warns at every
+  host-device sync of step N;
+- `bench_matmul_tflops` (the MFU denominator) and `bench_allreduce` (the gradient's all-reduce),
+  timed in the dry-run after its steps;
+- `replay_order`: the dry-run's steps are real steps of the full run, replayed from their
+  positions in its data order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tuneledger import quiet
+
+quiet.install()  # before transformers imports bitsandbytes, which logs at import
+from transformers import TrainerCallback  # noqa: E402
+
+if TYPE_CHECKING:
+    from tuneledger.trainer import LedgerTrainer
+
+
+class Clock:
+    """Timestamps on the GPU's timeline (CUDA events) or the host's (CPU runs). Resolved lazily."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+class StepTimer(TrainerCallback):
+    """Per optimizer step: micro-batch times (forward+backward), optimizer time, host data wait.
+
+    The last micro-batch of a step carries DDP's gradient all-reduce (and any wait for a slower
+    rank); the others run under `no_sync`. `summary()` synchronises once and returns lists in s.
+    """
+
+    def __init__(self, clock: Clock, device: torch.device | None = None):
+        self.clock = clock
+        self.device = device
+        self.steps: list[dict] = []
+        self._cur: dict | None = None
+        self._host_end: float | None = None
+        self.save_s: list[float] = []
+        self.saves: list[dict] = []  # {"after_step": steps done, "s": seconds, "wall_end": UTC s}
+
+    def on_step_begin(self, args, state, control, **kw):
+        now = time.perf_counter()
+        # Host time between steps: the Trainer fetches the next step's micro-batches here.
+        wait = now - self._host_end if self._host_end is not None else 0.0
+        self._cur = {"marks": [self.clock.mark()], "data_wait_s": wait, "wall_begin": time.time()}
+
+    def on_substep_end(self, args, state, control, **kw):
+        if self._cur:
+            self._cur["marks"].append(self.clock.mark())
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        if self._cur:
+            self._cur["marks"].append(self.clock.mark())
+            self._cur["n_micro"] = len(self._cur["marks"]) - 1
+
+    def on_step_end(self, args, state, control, **kw):
+        if self._cur:
+            self._cur["marks"].append(self.clock.mark())
+            self._cur["wall_end"] = time.time()  # UTC seconds, to join the GPU monitor's samples
+            if self.device is not None and self.device.type == "cuda":
+                # Cumulative: a step where it grows is one where the allocator freed its cache and
+                # retried (a stall of seconds, from fragmentation). A host-side counter, no sync.
+                self._cur["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            self.steps.append(self._cur)
+            self._cur = None
+        self._host_end = time.perf_counter()
+
+    def on_save(self, args, state, control, **kw):
+        now = time.perf_counter()
+        self.save_s.append(now - self._host_end)
+        self.saves.append({"after_step": len(self.steps), "s": now - self._host_end, "wall_end": time.time()})
+        self._host_end = now  # the next step's data wait starts after the save, not before it
+
+    def summary(self) -> list[dict]:
+        """Per step: step_s, micro_s (list), optimizer_s, data_wait_s (host), and t_begin/t_end,
+        the step's bounds in s since the first step began (so a window's wall time includes the
+        gaps between steps)."""
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        out = []
+        origin = self.steps[0]["marks"][0] if self.steps else None
+        for s in self.steps:
+            m, n = s["marks"], s["n_micro"]
+            micro = [self.clock.seconds(m[i], m[i + 1]) for i in range(n)]
+            out.append({"step_s": self.clock.seconds(m[0], m[-1]), "micro_s": micro,
+                        "optimizer_s": self.clock.seconds(m[n], m[-1]), "data_wait_s": s["data_wait_s"],
+                        "t_begin": self.clock.seconds(origin, m[0]), "t_end": self.clock.seconds(origin, m[-1]),
+                        "wall_begin": s["wall_begin"], "wall_end": s["wall_end"], "alloc_retries": s.get("alloc_retries")})
+        return out
+
+
+class EvalCounter(TrainerCallback):
+    """Eval micro-batches this rank ran: under DDP every rank evaluates its shard (the ledger shows it)."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def on_prediction_step(self, args, state, control, **kw):
+        self.batches += 1
+
+
+class SyncDebug(TrainerCallback):
+    """Diagnosis: TUNELEDGER_SYNC_DEBUG=N warns (with the stack) at every host-device sync during
+    step N, so a step's needless syncs can be found (torch.cuda.set_sync_debug_mode)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step + 1 == self.step:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_step_end(self, args, state, control, **kw):
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def bench_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float | None:
+    """Measured dense bf16 matmul rate of this GPU (TFLOP/s, 2 n^3 per product, median of `iters`),
+    the MFU denominator. Random data: zeros run faster and would flatter the peak."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def bench_allreduce(nbytes: int, device: torch.device, iters: int = 20) -> dict:
+    """Time an all-reduce of `nbytes` (the gradient size) on the training process group.
+
+    Bus bandwidth follows nccl-tests (PERFORMANCE.md): busbw = bytes / t * 2 (n - 1) / n, in GB/s.
+    Returns {} on a single rank.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    n = dist.get_world_size()
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    for _ in range(3):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    t = times[len(times) // 2]
+    return {"bytes": x.numel() * 4, "median_s": t, "algbw_gbs": x.numel() * 4 / t / 1e9,
+            "busbw_gbs": x.numel() * 4 / t / 1e9 * 2 * (n - 1) / n}
+
+
+def replay_order(trainer: LedgerTrainer, ds: Any, total_steps: int, steps_per_epoch: int, warmup: int, measured: int) -> list[int]:
+    """Make `trainer` run the real run's own steps: its first `warmup`, then `measured` from evenly
+    spaced positions of the rest (eta.step_positions). Returns the positions (0-based steps).
+
+    The real order is read from the Trainer's own training dataloader (accelerate's seedable
+    sampler, set to each epoch as the Trainer's loop sets it), before it is dealt to ranks. Step k
+    of an epoch is that order's slice [k G, (k+1) G) at global batch G: ranks take micro-batches in
+    turn from it. Those slices, one after another and read in order, give every rank the same
+    micro-batches, collated the same way, as the real run has at those steps.
+    """
+    from tuneledger.eta import step_positions
+
+    args = trainer.args
+    g = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+    positions = step_positions(total_steps, steps_per_epoch, len(ds) // g, warmup, measured)
+    loader = trainer.get_train_dataloader()
+    batches = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)  # under BatchSamplerShard
+    sampler = batches.sampler
+    orders: dict[int, list[int]] = {}
+    picked: list[int] = []
+    for pos in positions:
+        epoch, k = divmod(pos, steps_per_epoch)
+        if epoch not in orders:
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            orders[epoch] = list(sampler)
+        picked += orders[epoch][k * g:(k + 1) * g]
+    trainer.train_dataset = ds.select(picked)
+    trainer.replay = True
+    return positions
