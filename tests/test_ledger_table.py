@@ -5,7 +5,7 @@ import io
 import pytest
 
 from tuneledger import eta, ledger
-from tuneledger.dryrun import finding, markdown, table
+from tuneledger.dryrun_report import finding, markdown, table
 
 
 def row(preset, tokens_per_s, p10, p90, *, steps=4, sd=None, mem=130_000, mfu=0.383, fits=True):

@@ -196,18 +196,18 @@ def test_step_progress_says_when_the_model_is_ready(capsys):
 
 def test_the_same_verdict_for_every_preset_is_printed_once(capsys, monkeypatch):
     """A CPU dry-run has no GPU samples, so each preset's verdict is the same 'unknown' line."""
-    from tuneledger import dryrun
+    from tuneledger import dryrun_report
 
-    monkeypatch.setattr(dryrun, "table", lambda led: "")
+    monkeypatch.setattr(dryrun_report, "table", lambda led: "")
     same = "unknown: GPU util unavailable"
-    dryrun.print_table({"presets": [], "verdicts": {p: same for p in "ABCD"}})
+    dryrun_report.print_table({"presets": [], "verdicts": {p: same for p in "ABCD"}})
     assert capsys.readouterr().out.strip().splitlines() == [f"VERDICT A, B, C, D: {same}"]
-    dryrun.print_table({"presets": [], "verdicts": {"A": "compute-bound", "B": same}})
+    dryrun_report.print_table({"presets": [], "verdicts": {"A": "compute-bound", "B": same}})
     assert capsys.readouterr().out.strip().splitlines() == ["VERDICT A: compute-bound", f"VERDICT B: {same}"]
 
 
 def test_peak_memory_is_the_gpus_or_on_a_cpu_the_rss():
-    from tuneledger.dryrun import peak_mib
+    from tuneledger.dryrun_report import peak_mib
 
     assert peak_mib({"memory_mib": [{"peak_allocated": 900, "peak_rss": 5000}, {"peak_allocated": 1200}]}) == "1,200"
     assert peak_mib({"memory_mib": [{"peak_allocated": None, "peak_rss": 1973}, {"peak_allocated": None, "peak_rss": 2100}]}) == "2,100 RSS"
