@@ -238,7 +238,7 @@ def _(w, absmax, absmax2, code2, offset, blocksize, blocksize2, quant_type, shap
 # 28% of its tokens/s in one call, bench/results/h200-2026-12-01-compile): "op" (the custom op
 # above), "view" (the same bitsandbytes op on a view of the packed weight: another node to the
 # graph's common-subexpression pass) or "nocse" (that pass off for the compiled layers).
-BWD_DEQUANT = os.environ.get("TUNELEDGER_BWD_DEQUANT", "op")
+BWD_DEQUANT = os.environ.get("TUNELEDGER_BWD_DEQUANT", "nocse")
 
 
 def _dequantize_again(w, absmax, absmax2, code2, offset, meta) -> torch.Tensor:
