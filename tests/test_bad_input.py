@@ -28,12 +28,12 @@ def test_bad_data_exits_2_as_a_bad_key_does(tmp_path, tiny_model, capsys):
 @pytest.mark.parametrize("verb", ["dryrun", "train"])
 def test_a_missing_dataset_is_said_before_the_preflight_checks(verb, tmp_path, tiny_model, capsys, monkeypatch):
     """Issue 21 (15): it came after 12.7 s of preflight; now before torch or any check loads."""
-    import tuneledger.preflight as preflight
+    import tuneledger.preflight_checks as preflight_checks
 
     def too_late(*a, **kw):
         raise AssertionError("the preflight checks ran before the missing dataset was said")
 
-    monkeypatch.setattr(preflight, "run_checks", too_late)
+    monkeypatch.setattr(preflight_checks, "run_checks", too_late)
     (tmp_path / "d.jsonl").write_text(json.dumps({"instruction": "q", "output": "a"}) + "\n")
     rc = cli.main([verb, *job(tmp_path, tiny_model, tmp_path / "nope.jsonl"), "--cpu", "--nproc", "1"])
     err = capsys.readouterr().err

@@ -357,7 +357,7 @@ def test_disk_full_errors_are_recognised_in_every_form_they_take(tmp_path):
 
 
 def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, tmp_path):
-    from tuneledger.preflight import check_disk, checkpoint_bytes, checkpoint_estimate, tokenizer_bytes
+    from tuneledger.preflight_checks import check_disk, checkpoint_bytes, checkpoint_estimate, tokenizer_bytes
     from tuneledger.model import read_model_config
 
     cfg = train_cfg(tmp_path / "run", model_name_or_path=str(tiny_model))

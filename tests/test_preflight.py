@@ -9,7 +9,7 @@ import pytest
 
 from tuneledger.config_load import load_config
 from tuneledger.model import PreflightError
-from tuneledger.preflight import run_checks
+from tuneledger.preflight_checks import run_checks
 
 
 def cfg_for(model, tmp_path, **kw):
@@ -71,7 +71,7 @@ def test_quantization_without_cuda_is_refused(tiny_model, tmp_path):
 
 
 def test_disk_too_small_for_the_checkpoints(tiny_model, tmp_path, monkeypatch):
-    import tuneledger.preflight as pf
+    import tuneledger.preflight_checks as pf
 
     monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(PreflightError, match="bytes free; 4 more checkpoints of"):
@@ -79,7 +79,7 @@ def test_disk_too_small_for_the_checkpoints(tiny_model, tmp_path, monkeypatch):
 
 
 def test_7b_checkpoint_estimate_matches_the_field_report():
-    from tuneledger.preflight import checkpoint_bytes
+    from tuneledger.preflight_checks import checkpoint_bytes
     from tuneledger.synth import ARCHS
 
     # The field report's LoRA: r=64 on every projection (the defaults are LLaMA-Factory's r=8).

@@ -150,7 +150,7 @@ def test_pick_attention_says_why():
 ])
 def test_preflight_refuses_a_lever_that_cannot_run(tiny_model, over, match):
     from tuneledger.model import PreflightError
-    from tuneledger.preflight import run_checks
+    from tuneledger.preflight_checks import run_checks
 
     cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "report_to": "none", **over})
     with pytest.raises(PreflightError, match=match):

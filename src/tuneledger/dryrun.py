@@ -32,7 +32,7 @@ from tuneledger.dryrun_report import finding, markdown, print_table
 from tuneledger.launch import processes, run_workers, used_gpus
 from tuneledger.ledger import CAP_24GB_GIB
 from tuneledger.model import PreflightError, locate_model
-from tuneledger.preflight import check_data
+from tuneledger.preflight_checks import check_data
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data_report import run_data_hash

@@ -143,7 +143,7 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
 def load_prepared(cfg: JobConfig, progress: bool = True, model_checked: bool = False) -> Prepared:
     """The model checks that need only config.json and the tokenizer (the same for stats, dryrun
     and train: a VL variant, a tokenizer past the embedding rows), then the prepared data.
-    `model_checked`: preflight.run_checks already did the config.json checks. Raises
+    `model_checked`: preflight_checks.run_checks already did the config.json checks. Raises
     PreflightError or DataError."""
     return prepare(cfg, checked_tokenizer(cfg, model_checked), progress=progress)
 
@@ -170,7 +170,7 @@ def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None,
     """
     import time
 
-    from tuneledger.preflight import run_checks
+    from tuneledger.preflight_checks import run_checks
 
     t0 = time.perf_counter()
     for line in run_checks(cfg, cuda=not cpu):

@@ -26,7 +26,7 @@ from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.nodes import from_args, summary
-from tuneledger.preflight import check_data, checkpoint_estimate
+from tuneledger.preflight_checks import check_data, checkpoint_estimate
 from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.prepare import prepare_eval, prepare_for_training
 

@@ -1,0 +1,170 @@
+"""The checks that run before any weights load, each failing in seconds (`tuneledger preflight`
+runs them all; dryrun and train run them before anything heavy, in prepare.prepare_for_training):
+
+- the logging backend asked for imports and writes, as the run will import it (a missing
+  tensorboard crashed the field report's run only after the 7B model had loaded; one too old for
+  torch.utils.tensorboard passed a bare `import tensorboard`);
+- bitsandbytes' CUDA library loads when quantization is on;
+- the output filesystem has room for the checkpoints to keep;
+- the model's config.json is read first and is a text causal LM (a VL variant is refused before
+  15 GB are downloaded);
+- before all of these, in dryrun and train: the dataset files are there (check_data; a missing one
+  is bad input: DataError, exit 2).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tuneledger.config import JobConfig
+from tuneledger.model import PreflightError, check_remote_code, check_text_causal_lm, is_synthetic, read_model_config
+from tuneledger.ledger import plural
+
+
+def tensorboard_problem() -> str | None:
+    """Why TensorBoard logging would not work in this environment, or None.
+
+    Does what the run does: transformers' TensorBoardCallback imports
+    `torch.utils.tensorboard.SummaryWriter` (which refuses tensorboard < 1.15, and fails on a
+    protobuf it cannot use), then writes events; so this imports it and writes one scalar to a
+    temporary folder. Any exception counts, not only ImportError.
+    """
+    import tempfile
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with tempfile.TemporaryDirectory() as tmp:
+            writer = SummaryWriter(log_dir=tmp)
+            writer.add_scalar("preflight", 1.0, 0)
+            writer.close()
+            if not list(Path(tmp).glob("events.out.tfevents.*")):
+                return "torch.utils.tensorboard wrote no event file"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def check_logging(cfg: JobConfig) -> str:
+    if cfg.report_to == "tensorboard":
+        problem = tensorboard_problem()
+        if problem:
+            raise PreflightError(f"report_to=tensorboard but TensorBoard logging does not work here ({problem}). Fix: "
+                                 "pip install tensorboard (requirements.txt pins one that works with this torch), or set "
+                                 "report_to=none") from None
+    return f"logging: {cfg.report_to}"
+
+
+def check_bitsandbytes(cfg: JobConfig, cuda: bool) -> str:
+    if not cfg.quantization_bit:
+        return "quantization: off (LoRA on the unquantized base)"
+    if not cuda:
+        raise PreflightError("quantization_bit=4 needs a CUDA GPU; none is visible. On a CPU set quantization_bit=null")
+    try:
+        import bitsandbytes as bnb
+        from bitsandbytes.cextension import CudaBNBNativeLibrary, lib
+    except Exception as e:
+        raise PreflightError(f"bitsandbytes does not import ({type(e).__name__}: {e}). Fix: pip install "
+                             "bitsandbytes==0.50.2 (requirements.txt), matching your CUDA") from None
+    if not isinstance(lib, CudaBNBNativeLibrary):
+        raise PreflightError("bitsandbytes loaded without its CUDA library. Fix: reinstall bitsandbytes for this "
+                             "CUDA, or run `python -m bitsandbytes` to see what it looked for")
+    return f"quantization: bitsandbytes {bnb.__version__} CUDA library loaded"
+
+
+def checkpoint_bytes(cfg: JobConfig, config: dict) -> int:
+    """Upper estimate of one checkpoint: LoRA weights in fp32 plus AdamW's two moments (12 B/param)."""
+    h, n_layers = config.get("hidden_size", 0), config.get("num_hidden_layers", 0)
+    inter = config.get("intermediate_size", 0)
+    kv = h // max(1, config.get("num_attention_heads", 1)) * config.get("num_key_value_heads", config.get("num_attention_heads", 1))
+    # q, k, v, o, gate, up, down: r * (in + out) each
+    per_layer = cfg.lora_rank * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))
+    return per_layer * n_layers * 12
+
+
+def tokenizer_bytes(model: str) -> int:
+    """Bytes the tokenizer takes in every checkpoint, from a real save_pretrained into a temporary
+    folder (the Trainer saves it as a fast tokenizer: Qwen2.5's tokenizer.json alone is 11 MB)."""
+    import tempfile
+
+    from tuneledger.model import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer(model).save_pretrained(tmp)
+        return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+
+
+SMALL_FILES = 2**20  # trainer_state, scheduler, RNG states, README, configs: well under 1 MiB together
+
+
+def checkpoint_estimate(cfg: JobConfig, config: dict) -> tuple[int, str]:
+    """(bytes of one checkpoint, where the figure comes from). A sealed checkpoint of this run is a
+    real save and is used as is; otherwise LoRA weights + AdamW moments (checkpoint_bytes) plus a
+    real save of the tokenizer plus the small files."""
+    from tuneledger.checkpoints import scan, size_of
+
+    good, _ = scan(cfg.out_dir) if cfg.out_dir.is_dir() else (None, [])
+    if good:
+        return size_of(good), f"measured on {good.name}"
+    return checkpoint_bytes(cfg, config) + tokenizer_bytes(cfg.model_name_or_path) + SMALL_FILES, \
+        "LoRA weights + AdamW state + a real save of the tokenizer"
+
+
+def check_disk(cfg: JobConfig, config: dict) -> str:
+    """Room for save_total_limit + 1 checkpoints (the new one is written before the oldest is
+    rotated out), less those the run already holds. Raises PreflightError naming both figures."""
+    one, basis = checkpoint_estimate(cfg, config)
+    keep = cfg.save_total_limit or 10
+    have = len([p for p in cfg.out_dir.glob("checkpoint-*") if p.is_dir()]) if cfg.out_dir.is_dir() else 0
+    count = max(1, keep + 1 - have)
+    need = int(one * count * 1.1)
+    out = cfg.out_dir
+    probe = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise PreflightError(f"{probe} has {free:,} bytes free; {plural(count, 'more checkpoint')} of {one:,} bytes ({basis}; "
+                             f"save_total_limit={keep} + 1 written before rotation) need {need:,} with 10% margin. "
+                             "Free space, lower save_total_limit, or set output_dir elsewhere")
+    return f"disk: {free / 1e9:.1f} GB free at {probe}, {plural(count, 'checkpoint')} of {one / 1e6:.1f} MB need ~{need / 1e9:.2g} GB"
+
+
+def check_data(cfg: JobConfig) -> None:
+    """Every `dataset` (and `eval_dataset`) entry names a file that is there, directly or through
+    dataset_info.json: dryrun and train call it first, so a misspelt file is said in a second, not
+    after torch and the preflight checks (12.7 s on a loaded 2-core machine). Raises data.DataError,
+    as reading the data would (a hub dataset is downloaded here, as reading it would)."""
+    from tuneledger.data import DataError
+    from tuneledger.dataset_info import resolve_sources
+
+    resolve_sources(cfg.dataset, cfg.dataset_dir, cfg.cache_dir)
+    if cfg.eval_dataset and cfg.eval_strategy != "no":
+        try:
+            resolve_sources(cfg.eval_dataset, cfg.dataset_dir, cfg.cache_dir)
+        except DataError as e:
+            raise DataError(f"eval_dataset: {e}") from None
+
+
+def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
+    """Run every check; return one line per check. Raises PreflightError on the first failure."""
+    config = read_model_config(cfg.model_name_or_path)  # first: a missing model is said before torch loads
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    check_text_causal_lm(config, cfg.model_name_or_path)
+    arch = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
+    lines = [f"model: {cfg.model_name_or_path} ({arch}){' SYNTHETIC (random weights)' if is_synthetic(config) else ''}"]
+    lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
+              check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_disk(cfg, config)]
+    return lines
+
+
+def check_levers(cfg: JobConfig, cuda: bool) -> str:
+    """The speed levers the config asks for can run here (speed.check_levers). Raises PreflightError."""
+    from tuneledger import speed
+
+    try:
+        return f"attention: {speed.check_levers(cfg, 'cuda' if cuda else 'cpu')}"
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
