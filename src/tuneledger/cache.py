@@ -89,30 +89,44 @@ def out_of_range(folder: Path, vocab_size: int) -> str:
     """Why the ids or labels of the saved dataset in `folder` cannot be trained on with a vocabulary
     of `vocab_size`, or "": an id outside 0..vocab_size-1, a label neither -100 nor such an id."""
     import datasets
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     try:
-        table = datasets.load_from_disk(str(folder)).data.table
+        ds = datasets.load_from_disk(str(folder))  # as the ranks load it: memory-mapped, nothing read yet
+        files = [Path(f["filename"]) for f in ds.cache_files]
+        if not len(ds) or "input_ids" not in ds.column_names:
+            return ""
+        # Read batch by batch (read(2), not the memory map): the pages read are the kernel's cache,
+        # not this process's memory, so a hit at 800 MB of data stays as small as one at 8.
+        ids_lo = ids_hi = lab_lo = lab_hi = None
+        for f in files:
+            with pa.OSFile(str(f)) as source:
+                for batch in pa.ipc.open_stream(source):
+                    lo, hi = pc.min_max(pc.list_flatten(batch.column("input_ids"))).values()
+                    if lo.is_valid:
+                        ids_lo = lo.as_py() if ids_lo is None else min(ids_lo, lo.as_py())
+                        ids_hi = hi.as_py() if ids_hi is None else max(ids_hi, hi.as_py())
+                    labels = pc.list_flatten(batch.column("labels"))
+                    lo, hi = pc.min_max(pc.filter(labels, pc.not_equal(labels, -100))).values()
+                    if lo.is_valid:
+                        lab_lo = lo.as_py() if lab_lo is None else min(lab_lo, lo.as_py())
+                        lab_hi = hi.as_py() if lab_hi is None else max(lab_hi, hi.as_py())
     except Exception as e:  # a damaged Arrow file
         return f"{folder}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})"
-    if not table.num_rows:
-        return ""
-    ids = pc.list_flatten(table.column("input_ids"))
-    labels = pc.list_flatten(table.column("labels"))
-    lo, hi = pc.min_max(ids).values()
-    if lo.as_py() < 0 or hi.as_py() >= vocab_size:
-        return f"{folder}: input_ids hold {lo.as_py() if lo.as_py() < 0 else hi.as_py()}, outside 0..{vocab_size - 1}"
-    real = pc.filter(labels, pc.not_equal(labels, -100))
-    if len(real):
-        lo, hi = pc.min_max(real).values()
-        if lo.as_py() < 0 or hi.as_py() >= vocab_size:
-            return (f"{folder}: labels hold {lo.as_py() if lo.as_py() < 0 else hi.as_py()}, neither -100 nor an id "
-                    f"in 0..{vocab_size - 1}")
+    if ids_lo is not None and (ids_lo < 0 or ids_hi >= vocab_size):
+        return f"{folder}: input_ids hold {ids_lo if ids_lo < 0 else ids_hi}, outside 0..{vocab_size - 1}"
+    if lab_lo is not None and (lab_lo < 0 or lab_hi >= vocab_size):
+        return (f"{folder}: labels hold {lab_lo if lab_lo < 0 else lab_hi}, neither -100 nor an id "
+                f"in 0..{vocab_size - 1}")
     return ""
 
 
-def save(ds: Any, path: Path, report: dict, invalid: list[dict]) -> None:
+def save(ds: Any, path: Path, report: dict, invalid: list[dict], workers: int | None = None,
+         shard: str | None = None) -> None:
     """Save `ds` (a datasets.Dataset) and META (report, invalid, seal) as the cache `path`.
+    `workers` (datasets' save_to_disk num_proc): copy in that many spawned processes, in Arrow
+    files of at most `shard` ("256MB"), so the pages copied are never this process's memory.
 
     Written in a folder of its own (two runs, or a multi-node job's launchers, may build the same
     key at once) and renamed into place whole; the first to finish wins and the others drop their
@@ -124,7 +138,7 @@ def save(ds: Any, path: Path, report: dict, invalid: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{path.name}.tmp-"))
     try:
-        ds.save_to_disk(str(tmp))
+        ds.save_to_disk(str(tmp), num_proc=workers, max_shard_size=shard if workers else None)
         meta = {"report": report, "invalid": invalid, "seal": seal(tmp, report, invalid)}
         (tmp / META).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
         os.rename(tmp, path)  # atomic; fails if another process put its copy there first

@@ -313,7 +313,13 @@ def cache_key(data_hashes: list[str], tok_fp: str, template: str, cutoff_len: in
 
 
 def num_proc(requested: int | None) -> int:
-    return max(1, requested or min(os.cpu_count() or 1, 8))
+    """Tokenizing processes: `requested` (preprocessing_num_workers), else every core this process
+    may run on (its CPU affinity: a container's cpuset, taskset), not a fixed cap."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, requested or cores)
 
 
 # ------------------------------------------------------------------------------------ report

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tuneledger import cache
+from tuneledger import cache, data_progress
 from tuneledger.data import (DataError, Invalid, bad_text, cache_key, encode, file_sha256, is_chatml_name, num_proc,
                              read_records, summarize, to_messages, tokenizer_fingerprint, with_batch)
 from tuneledger.data_report import gate, print_invalid, write
@@ -41,7 +41,29 @@ class Prepared:
     rebuilt: str = ""
 
 
-def _encode_batch(batch: dict, tokenizer: Any, cutoff_len: int, default_system: str | None) -> dict:
+# Columns of the tokenized records: int32 ids and labels (Qwen2.5's 151,665 ids and -100 fit), half
+# the bytes of the int64 that Python ints would become, on disk, in the page cache and in each rank.
+_INT32 = ("input_ids", "labels", "n_tokens", "n_supervised")
+# A cache with more Arrow bytes than this is copied into place by datasets' spawned save workers
+# (save_to_disk num_proc), so its pages are read in short-lived processes, not in this one.
+COPY_IN_WORKERS = 256 << 20
+SHARD = "256MB"
+
+
+def _features() -> Any:
+    import datasets
+
+    ids = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"where": datasets.Value("string"), "input_ids": ids, "labels": ids,
+                              "n_tokens": datasets.Value("int32"), "n_supervised": datasets.Value("int32"),
+                              "truncated": datasets.Value("bool"), "reason": datasets.Value("string"),
+                              "field": datasets.Value("string")})
+
+
+def _encode_batch(batch: dict, rank: int | None, tokenizer: Any, cutoff_len: int, default_system: str | None,
+                  counts: str | None = None) -> dict:
+    """datasets.map's function: a batch of records (messages, fields, where) -> their tokens.
+    `counts`: the data_progress.Counts file this worker adds its records and tokens to."""
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_tokens", "n_supervised", "truncated", "reason")}
     out["field"] = []
     for messages, fields in zip(batch["messages"], batch["fields"]):
@@ -54,6 +76,8 @@ def _encode_batch(batch: dict, tokenizer: Any, cutoff_len: int, default_system: 
         out["field"].append(fields[turn] if 0 <= turn < len(fields) else "<record>")
         for k, v in enc.items():
             out[k].append(v)
+    if counts:
+        data_progress.count(counts, rank or 0, len(out["n_tokens"]), sum(out["n_tokens"]))
     return out
 
 
@@ -96,48 +120,85 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     # memory holds one batch, not the dataset; tokenizing then reads that file memory-mapped.
     from tuneledger.records import RecordWriter
 
-    invalid: list[Invalid] = []
-    total = 0
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # data_progress says how long the wait is, in lines a log can hold
     writer = RecordWriter(Path(cfg.cache_dir))
     try:
-        for src in sources:
-            taken = 0  # max_samples caps each dataset, as in LLaMA-Factory
-            for where, obj in (rec for f in src.files for rec in read_records(f)):
-                if cfg.max_samples is not None and taken >= cfg.max_samples:
-                    break
-                total += 1
-                taken += 1
-                fields: list[str] = []
-                msgs = to_messages(src.convert(obj, where), where, cfg.placeholders, fields)
-                if isinstance(msgs, Invalid):
-                    msgs.field = src.field_name(msgs.field)
-                    invalid.append(msgs)
-                else:
-                    writer.add({"messages": msgs, "where": where, "fields": [src.field_name(f) for f in fields]})
+        total, invalid = _read(sources, cfg, writer, progress)
         ds = writer.dataset()
         if len(ds):
-            if not progress:
-                datasets.disable_progress_bars()
-            ds = ds.map(
-                _encode_batch, batched=True, batch_size=64, remove_columns=["messages", "fields"],
-                num_proc=min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64)),
-                fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system},
-                desc=f"tokenizing {len(ds)} records",
-            )
-            # The tokenizing bar says how long the wait is; the filter's and the save's (under a second) say nothing.
-            datasets.disable_progress_bars()
-            for where, field, reason in zip(ds["where"], ds["field"], ds["reason"]):
-                if reason:  # named by the record's own field: `output`, `conversations[1].value`, ...
-                    invalid.append(Invalid(where, field, reason, reason.split(":", 1)[0]))
-            ds = ds.filter(lambda r: not r, input_columns="reason").remove_columns(["reason", "field"])
-        report = summarize(ds, total, invalid, cfg)
+            ds, left_out = _tokenize(ds, tokenizer, cfg, key, writer.dir, progress)
+            invalid += left_out
+        # The report reads two small columns of the kept records (an Arrow table), not their ids.
+        kept = ds.select_columns(["n_tokens", "n_supervised"]).with_format("arrow")[:] if len(ds) else ds
+        report = summarize(kept, total, invalid, cfg)
         report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-        cache.save(ds, path, report, [i.as_dict() for i in invalid])
+        workers = min(4, num_proc(cfg.preprocessing_num_workers)) if ds.data.nbytes > COPY_IN_WORKERS else None
+        cache.save(ds, path, report, [i.as_dict() for i in invalid], workers=workers, shard=SHARD)
     finally:  # the batches and the tokenizer's map files under it, however this ends
         writer.remove()
-    if progress:
-        datasets.enable_progress_bars()
+        if bars:
+            datasets.enable_progress_bars()
     return Prepared(path, with_batch(report, cfg), invalid, False, rebuilt)
+
+
+def _read(sources: list, cfg: Any, writer: Any, progress: bool) -> tuple[int, list[Invalid]]:
+    """Read and validate every record of `sources` into `writer`; (records read, the invalid ones)."""
+    files = [f for src in sources for f in src.files]
+    size = sum(f.stat().st_size for f in files)
+    meter = data_progress.Meter(f"reading {len(files)} file{'s' if len(files) != 1 else ''}", size, "MB", progress)
+    seen = {"bytes": 0}
+    invalid: list[Invalid] = []
+    total = passed = 0
+    for src in sources:
+        taken = 0  # max_samples caps each dataset, as in LLaMA-Factory
+        for where, obj in (rec for f in src.files for rec in read_records(f, seen)):
+            if cfg.max_samples is not None and taken >= cfg.max_samples:
+                break
+            total += 1
+            taken += 1
+            fields: list[str] = []
+            msgs = to_messages(src.convert(obj, where), where, cfg.placeholders, fields)
+            if isinstance(msgs, Invalid):
+                msgs.field = src.field_name(msgs.field)
+                invalid.append(msgs)
+            else:
+                writer.add({"messages": msgs, "where": where, "fields": [src.field_name(f) for f in fields]})
+            meter.update(seen["bytes"], total)
+        # A source cut short by max_samples leaves bytes unread: count them as passed, for the ETA.
+        passed += sum(f.stat().st_size for f in src.files)
+        seen["bytes"] = passed
+    meter.last = (size, total, None)
+    meter.close(total)
+    return total, invalid
+
+
+def _tokenize(ds: Any, tokenizer: Any, cfg: Any, key: str, work: Path, progress: bool) -> tuple[Any, list[Invalid]]:
+    """Tokenize the records in `ds` on every core (datasets' map, num_proc; results in Arrow files
+    under `work`); (the trainable records, memory-mapped, the invalid ones). Only the small
+    where/field/reason columns are read here."""
+    import pyarrow.compute as pc
+
+    procs = min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64))
+    counts = data_progress.Counts(work / "progress.bin", procs)
+    meter = data_progress.Meter(f"tokenizing {len(ds):,} records on {procs} process{'es' if procs > 1 else ''}",
+                                len(ds), "records", progress)
+    with meter.watch(counts):
+        ds = ds.map(
+            _encode_batch, batched=True, batch_size=64, with_rank=True, remove_columns=["messages", "fields"],
+            num_proc=procs if procs > 1 else None, features=_features(), cache_file_name=str(work / "tokens.arrow"),
+            # Fingerprints from the cache key: hashing the tokenizer in fn_kwargs is slower and says no more.
+            new_fingerprint=f"{key}-tokens",
+            fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system,
+                       "counts": str(counts.path)})
+    table = ds.data.table
+    bad = pc.not_equal(table.column("reason"), "")
+    invalid = [Invalid(r["where"], r["field"], r["reason"], r["reason"].split(":", 1)[0])  # named by the record's own field
+               for r in table.select(["where", "field", "reason"]).filter(bad).to_pylist()]
+    if invalid:
+        ds = ds.filter(lambda reasons: [not r for r in reasons], input_columns="reason", batched=True,
+                       cache_file_name=str(work / "kept.arrow"), new_fingerprint=f"{key}-kept")
+    return ds.remove_columns(["reason", "field"]), invalid
 
 
 def load_prepared(cfg: JobConfig, progress: bool = True, model_checked: bool = False) -> Prepared:
