@@ -77,10 +77,8 @@ for r in $RUNS; do
     plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
     compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
-    view|nocse) o="$AUTO"; export TUNELEDGER_BWD_DEQUANT=${r:1};;  # backward's dequantize, A/B (speed.BWD_DEQUANT)
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|view|nocse>, unsloth, hf)"; continue;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile>, unsloth, hf)"; continue;;
   esac
-  case ${r:1} in view|nocse) ;; *) unset TUNELEDGER_BWD_DEQUANT;; esac
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
   cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps; [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
   rm -rf "/tmp/run-$r"   # a ledger left by an earlier call must never stand for this one

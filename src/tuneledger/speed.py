@@ -22,7 +22,6 @@ each one returns (`levers` in the ledger), so that every number says how it was 
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 from typing import Any
 
@@ -218,38 +217,13 @@ def _dequantize(w, absmax, absmax2, code2, offset, meta) -> torch.Tensor:
     return torch.ops.bitsandbytes.dequantize_4bit(w, absmax.float(), blocksize, quant_type, list(shape), dtype)
 
 
-@torch.library.custom_op("tuneledger::dequantize_4bit_for_backward", mutates_args=(), schema=(
-    "(Tensor w, Tensor absmax, Tensor? absmax2, Tensor? code2, Tensor? offset, int blocksize, int blocksize2, "
-    "str quant_type, int[] shape, ScalarType dtype) -> Tensor"))
-def _dequantize_for_backward(w, absmax, absmax2, code2, offset, blocksize, blocksize2, quant_type, shape, dtype):
-    """Backward's own dequantization, an op the compiler cannot merge with forward's: traced in
-    one graph, two identical calls can be merged, and then the dequantized bf16 weights of all
-    196 projections (13 GiB on Qwen2.5-7B) are kept from forward to backward (the compiled D step's
-    peak rose from 33 to 46 GiB on an H200: bench/results/h200-2026-12-01-compile)."""
-    return _dequantize(w, absmax, absmax2, code2, offset, (blocksize, blocksize2, quant_type, tuple(shape), dtype))
-
-
-@_dequantize_for_backward.register_fake
-def _(w, absmax, absmax2, code2, offset, blocksize, blocksize2, quant_type, shape, dtype):
-    return w.new_empty(shape, dtype=dtype)
-
-
-# How backward keeps its dequantization apart from forward's, for the bench's A/B (the op cost C
-# 28% of its tokens/s in one call, bench/results/h200-2026-12-01-compile): "op" (the custom op
-# above), "view" (the same bitsandbytes op on a view of the packed weight: another node to the
-# graph's common-subexpression pass) or "nocse" (that pass off for the compiled layers).
-BWD_DEQUANT = os.environ.get("TUNELEDGER_BWD_DEQUANT", "nocse")
-
-
-def _dequantize_again(w, absmax, absmax2, code2, offset, meta) -> torch.Tensor:
-    if meta is None:
-        return w
-    if BWD_DEQUANT == "view":
-        return _dequantize(w.view(w.shape), absmax, absmax2, code2, offset, meta)
-    if BWD_DEQUANT == "nocse":
-        return _dequantize(w, absmax, absmax2, code2, offset, meta)
-    blocksize, blocksize2, quant_type, shape, dtype = meta
-    return _dequantize_for_backward(w, absmax, absmax2, code2, offset, blocksize, blocksize2, quant_type, list(shape), dtype)
+# Backward dequantizes the base weight again (as bitsandbytes does) instead of keeping it. In a
+# compiled layer both dequantizations are one expression, and the compiler's common-subexpression
+# pass merges them: the bf16 weights of all 196 projections (13 GiB on Qwen2.5-7B) are then kept
+# from forward to backward (a compiled D step's peak rose from 33 to 46 GiB on an H200).
+# compile_layers turns that pass off for the compiled layers. Measured against the other way of
+# keeping them apart, an opaque op of our own for backward's dequantization, in one H200 call:
+# C 6,262 vs 5,420 tokens/s (mean step), 17.6 vs 17.9 GiB (bench/results/h200-2026-12-01-session3).
 
 
 class LoraProjection(torch.autograd.Function):
@@ -293,7 +267,7 @@ class LoraProjection(torch.autograd.Function):
         if mask is not None:
             dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - ctx.p))
             xd = torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - ctx.p))
-        dx = torch.addmm(dlora, dy, _dequantize_again(w, absmax, absmax2, code2, offset, ctx.meta))
+        dx = torch.addmm(dlora, dy, _dequantize(w, absmax, absmax2, code2, offset, ctx.meta))
         dA = (dyb.t() @ xd).mul_(s).to(A.dtype)
         dB = (dy.t() @ a).mul_(s).to(B.dtype)
         return dx, dA, dB, None, None, None, None, None, None, None, None, None
@@ -430,10 +404,11 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     # DDP's graph splitting (at bucket bounds) exists for whole-model graphs; one layer's graph is
     # small, and the splitter refuses the higher-order op our traced LoraProjection becomes.
     _dynamo.config.optimize_ddp = False
-    if BWD_DEQUANT == "nocse":
-        import torch._functorch.config as functorch_config
+    # The two dequantizations of each weight must stay two (see LoraProjection): without the
+    # common-subexpression pass the compiled graph keeps 4-bit weights, not bf16 ones.
+    import torch._functorch.config as functorch_config
 
-        functorch_config.cse = False
+    functorch_config.cse = False
     for layer in layers:
         layer.compile(dynamic=None)
     return f"on ({len(layers)} decoder layers, regional)"
