@@ -1,0 +1,37 @@
+"""The environment run_workers gives the ranks: what the levers and the ETA rely on."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tuneledger import launch
+
+PROBE = "import json, os; print('ENV ' + json.dumps({k: os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'PYTORCH_CUDA_ALLOC_CONF')}))"
+
+
+def _rank_env(tmp_path, monkeypatch, job: dict, **env) -> dict:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # One real process in place of torchrun's ranks, printing the variables it got.
+    monkeypatch.setattr(launch, "torchrun_command", lambda nproc, port, target, extra=(): [sys.executable, "-c", PROBE])
+    log = tmp_path / "launch.log"
+    assert launch.run_workers({"mode": "dryrun", "cpu": True, "out_dir": str(tmp_path), **job}, tmp_path / "job.json", 1,
+                              log_path=log) == 0
+    line = next(ln for ln in log.read_text().splitlines() if ln.startswith("ENV "))
+    return json.loads(line[4:])
+
+
+def test_compiled_kernels_are_cached_beside_the_data(tmp_path, monkeypatch):
+    """A train after its dry-run must find the dry-run's compiled kernels (not /tmp, which a
+    container loses): inductor's cache lives under the job's cache_dir."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    env = _rank_env(tmp_path, monkeypatch, {"config": {"cache_dir": str(tmp_path / "cache")}})
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "cache" / "torchinductor").resolve())
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_a_users_inductor_cache_is_kept(tmp_path, monkeypatch):
+    env = _rank_env(tmp_path, monkeypatch, {"config": {"cache_dir": str(tmp_path / "cache")}},
+                    TORCHINDUCTOR_CACHE_DIR="/somewhere/else")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
