@@ -20,6 +20,8 @@ for run in $RUNS; do
     cache_dir=/tmp/cache lora_dropout=0 $o dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP run_name=prof-$p-$v output_dir=$d \
     --preset $p --nproc 1 --no-fit-check > $OUT/dryrun-prof-$p-$v.log 2>&1
   echo "[$SECONDS s] exit $?: $(grep -E "^preset $p:" $OUT/dryrun-prof-$p-$v.log | head -1 | cut -c1-120)"
-  cp $d/profile-step$PROFILE_STEP.md $OUT/profile-$p-$v.md 2>/dev/null; cp $d/profile-step$PROFILE_STEP.json $OUT/profile-$p-$v.json 2>/dev/null
+  # The dry-run's worker writes into its preset's folder (<output_dir>/dryrun/<preset>/).
+  f=$(find $d -name "profile-step$PROFILE_STEP.md" | head -1)
+  [ -n "$f" ] && cp "$f" $OUT/profile-$p-$v.md && cp "${f%.md}.json" $OUT/profile-$p-$v.json
   head -30 $OUT/profile-$p-$v.md 2>/dev/null
 done
