@@ -77,13 +77,16 @@ for r in $RUNS; do
     plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
     compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile>, unsloth, hf)"; continue;;
+    cpp) o="$AUTO";;   # inductor's C++ wrapper for the compiled layers: less Python per launch (host-bound C)
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp>, unsloth, hf)"; continue;;
   esac
+  e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"; [ "${r:1}" = cpp ] && e="TORCHINDUCTOR_CPP_WRAPPER=1"
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
-  cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps; [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
+  cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps
+  [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
   rm -rf "/tmp/run-$r"   # a ledger left by an earlier call must never stand for this one
   stamp "$r: dryrun --preset $p $o (at most $cap s)"
-  env $([ "$r" = Dauto ] && echo TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))) timeout -k 10 -s INT $cap \
+  env $e timeout -k 10 -s INT $cap \
     $TL dryrun $JOB run_name=$r output_dir=/tmp/run-$r $o --preset $p --nproc 1 --no-fit-check $FLAGS > /tmp/logs/dryrun-$r.log 2>&1
   rc=$?
   stamp "$r exit $rc: $(grep -E "^preset $p:" /tmp/logs/dryrun-$r.log | head -1 | cut -c1-160)"

@@ -411,7 +411,10 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     functorch_config.cse = False
     for layer in layers:
         layer.compile(dynamic=None)
-    return f"on ({len(layers)} decoder layers, regional)"
+    import torch._inductor.config as inductor_config
+
+    wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
+    return f"on ({len(layers)} decoder layers, regional{wrapper})"
 
 
 def compile_stats() -> dict:
