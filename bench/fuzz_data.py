@@ -30,7 +30,8 @@ from types import SimpleNamespace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tuneledger.data import DataError, Invalid, bad_text, encode, prepare, read_records, to_messages
+from tuneledger.data import DataError, Invalid, bad_text, encode, read_records, to_messages
+from tuneledger.prepare import prepare
 
 COUNT: dict[str, int] = {}
 CRASHES: list[str] = []

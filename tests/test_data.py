@@ -4,7 +4,8 @@ import pytest
 
 from conftest import shared_data
 from tuneledger.config_load import load_config
-from tuneledger.data import IGNORE_INDEX, DataError, Invalid, encode, prepare, read_records, to_messages
+from tuneledger.data import IGNORE_INDEX, DataError, Invalid, encode, read_records, to_messages
+from tuneledger.prepare import prepare
 
 
 def cfg_for(tmp_path, model, dataset, **kw):
@@ -58,17 +59,24 @@ def test_placeholders_are_filled():
     assert got[-1]["content"] == "I am Ledger, made by tuneledger."
 
 
-def test_jsonl_bad_line_is_a_record_error_and_json_syntax_is_a_file_error(tmp_path):
+def test_jsonl_bad_line_and_json_list_syntax_are_record_errors(tmp_path, capsys):
     good = json.dumps({"instruction": "q", "output": "a"})
     p = tmp_path / "d.jsonl"
     p.write_text(f"{good}\n{{not json\n\n{good}\n")
     rows = list(read_records(p))
     assert [w for w, _ in rows] == [f"{p}:1", f"{p}:2", f"{p}:4"]
     assert isinstance(rows[1][1], Invalid) and rows[1][1].kind == "not valid JSON"
+    # A JSON list that breaks costs the record that breaks it, not the file (issue 22).
     bad = tmp_path / "d.json"
-    bad.write_text('[{"instruction": "q",\n "output": }]')
-    with pytest.raises(DataError, match=rf"{bad}:2:\d+: not valid JSON"):
-        list(read_records(bad))
+    bad.write_text('[{"instruction": "q",\n "output": },\n' + good + "]")
+    rows = list(read_records(bad))
+    assert [w for w, _ in rows] == [f"{bad}:1 (record 1)", f"{bad}:3 (record 2)"] and rows[1][1] == json.loads(good)
+    assert isinstance(rows[0][1], Invalid) and rows[0][1].kind == "not valid JSON" and rows[0][1].field == "<record>"
+    assert rows[0][1].reason == "not valid JSON: Expecting value at line 2 column 12"
+    assert f"{bad}:2:12: not valid JSON: Expecting value; record 1 left out, the records after it read" in capsys.readouterr().err
+    (tmp_path / "obj.json").write_text('{"instruction": "q", "output": "a"}')  # not a list at all: the file is refused
+    with pytest.raises(DataError, match="must be a list of records, got dict"):
+        list(read_records(tmp_path / "obj.json"))
     with pytest.raises(DataError, match="not found"):
         list(read_records(tmp_path / "missing.json"))
 

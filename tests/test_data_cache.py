@@ -7,7 +7,7 @@ import pytest
 
 from test_data import cfg_for
 from tuneledger import cache
-from tuneledger.data import prepare
+from tuneledger.prepare import prepare
 
 GOOD = [{"instruction": f"What is {i} + {i}?", "output": f"{2 * i}, since {i} + {i} = {2 * i}."} for i in range(40)]
 

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from tuneledger.data import IGNORE_INDEX, Invalid, encode, prepare, to_messages
+from tuneledger.data import IGNORE_INDEX, Invalid, encode, to_messages
+from tuneledger.prepare import prepare
 
 # Modelled on Qwen3's chat template: an assistant turn before the last user query loses its
 # <think>...</think>; the turns after it keep the reasoning, re-written between <think> tags.

@@ -429,7 +429,7 @@ def test_step_health_reads_the_step_log_and_the_adapter():
 ])
 def test_fewer_records_than_one_global_batch_is_refused_before_launch(tmp_path, valid, val_size, train, needle):
     """stats, dryrun and train share the gate: it names the counts and the batch that would work."""
-    from tuneledger.data import Prepared
+    from tuneledger.prepare import Prepared
     from tuneledger.stats import gate
 
     cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["d.jsonl"], "global_batch_size": 16,
@@ -501,7 +501,8 @@ def test_the_final_adapter_is_published_at_the_run_root_as_llamafactory_leaves_i
 
 def test_stats_names_the_invalid_file_it_really_wrote(tmp_path, capsys):
     """Beside another run's data, the records go to invalid-<key>.jsonl: the line must say so."""
-    from tuneledger.data import Invalid, Prepared
+    from tuneledger.data import Invalid
+    from tuneledger.prepare import Prepared
     from tuneledger.stats import print_invalid, write
 
     run = tmp_path / "run"
@@ -518,7 +519,7 @@ def test_stats_names_the_invalid_file_it_really_wrote(tmp_path, capsys):
 
 
 def test_a_refused_dryrun_on_other_data_leaves_the_runs_stats_alone(tmp_path):
-    from tuneledger.data import Prepared
+    from tuneledger.prepare import Prepared
     from tuneledger.stats import write
 
     run = tmp_path / "run"
@@ -532,7 +533,8 @@ def test_a_refused_dryrun_on_other_data_leaves_the_runs_stats_alone(tmp_path):
 
 
 def test_unfilled_placeholders_name_the_override_that_fills_them(tmp_path):
-    from tuneledger.data import Invalid, Prepared
+    from tuneledger.data import Invalid
+    from tuneledger.prepare import Prepared
     from tuneledger.stats import gate
 
     cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["identity.json"], "global_batch_size": 1})

@@ -177,7 +177,7 @@ def test_columns_and_sharegpt_tags_rename_into_conversations(tmp_path):
 
 
 def test_prepare_reads_names_and_caps_each_dataset(tmp_path, qwen_tokenizer):
-    from tuneledger.data import prepare
+    from tuneledger.prepare import prepare
 
     data = lf_data_dir(tmp_path)
     cfg = load_config(None, ["model_name_or_path=m", "dataset=identity,alpaca_en_demo", f"dataset_dir={data}",

@@ -23,16 +23,16 @@ import hashlib
 import json
 import os
 import re
-from collections import Counter
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-
+from tuneledger.data_report import holdout_count, summarize, with_batch  # noqa: F401  (trainer.py, tests)
 from tuneledger.tokens import IGNORE_INDEX, encode  # noqa: F401  (encode is part of this module's API)
 
 CACHE_VERSION = "4"  # bump when encode() or the records' names change, so stale caches are not reused
+SHOW_BROKEN = 10  # places a JSON list breaks, said on stderr per file (all of them are invalid records)
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -75,10 +75,14 @@ def read_records(path: str | Path, seen: dict | None = None) -> Iterator[tuple[s
     Every fault of one record is yielded as an Invalid and the rest of the file still counts: a
     JSONL line that is not JSON (a file truncated mid-line included), a line or a JSON-list
     record with bytes that are not UTF-8 (see `bad_text`), JSON nested too deeply, a number
-    Python refuses. A UTF-8 byte-order mark is accepted at the start of the file and, in JSONL, of
-    any line (files joined with `cat`). Raises DataError when the file is missing or a .json
-    file does not parse as a whole, with line:column. `seen["bytes"]`, if given, grows by the
-    bytes read (a progress line's ETA).
+    Python refuses. A JSON list that breaks is not fatal either: each element that does not
+    parse is an Invalid (field '<record>', kind "not valid JSON", with json's line:column) and
+    reading goes on after it; a list the file ends inside, or text after its ']', is one Invalid
+    more (field '<file>'). Each break is also said on stderr (the first SHOW_BROKEN per file). A
+    UTF-8 byte-order mark is accepted at the start of the file and, in JSONL, of any line (files
+    joined with `cat`). Raises DataError when the file is missing, holds no JSON value at all or
+    a value that is not a list. `seen["bytes"]`, if given, grows by the bytes read (a progress
+    line's ETA).
     """
     path = Path(path)
     if not path.is_file():
@@ -88,8 +92,16 @@ def read_records(path: str | Path, seen: dict | None = None) -> Iterator[tuple[s
     if path.suffix == ".jsonl" or (path.suffix != ".json" and records.first_char(path) != "["):
         yield from records.iter_jsonl(path, _parse_line, seen)
         return
+    told = 0
     try:
         for i, obj, raw_surrogates, line in records.iter_json_list(path, seen):
+            if isinstance(obj, records.Broken):
+                where, field, reason, said = _broken(path, i, line, obj)
+                if told < SHOW_BROKEN:  # loud, not fatal: also in the invalid records, like any other
+                    print(f"{path}:{obj.line}:{obj.col}: not valid JSON: {obj.msg}; {said}", file=sys.stderr, flush=True)
+                told += 1
+                yield where, Invalid(where, field, reason, "not valid JSON")
+                continue
             where = f"{path}:{line} (record {i + 1})"  # like JSONL's file:line; a record number for a one-line list
             field, bad = _first_bad_text(obj, escaped=not raw_surrogates)
             yield where, Invalid(where, field, bad, "not UTF-8") if bad else obj
@@ -97,8 +109,26 @@ def read_records(path: str | Path, seen: dict | None = None) -> Iterator[tuple[s
         raise DataError(f"{path}:{e.line}:{e.col}: not valid JSON: {e.msg}") from None
     except TypeError as e:
         raise DataError(f"{path}: a .json dataset must be a list of records, got {e}") from None
-    except (ValueError, RecursionError) as e:
-        raise DataError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if told > SHOW_BROKEN:
+        print(f"{path}: {told - SHOW_BROKEN} more places where the list does not parse (all in the invalid records)",
+              file=sys.stderr, flush=True)
+
+
+def _broken(path: Path, i: int, line: int, b: Any) -> tuple[str, str, str, str]:
+    """(where, field, reason, what it cost) of a records.Broken stretch of a JSON list."""
+    at = f"not valid JSON: {b.msg} at line {b.line} column {b.col}"
+    if b.where == "unclosed":
+        return (f"{path}:{b.line}", "<file>", f"{at}: the file ends inside the list, with no ']' (was it cut short?)",
+                "the file ends inside the list")
+    if b.where == "extra":
+        return (f"{path}:{b.line}", "<file>", f"{at}: {b.skipped:,} characters after the list's ']' are not read (a .json "
+                "file holds one list)", "the text after the list is not read")
+    where = f"{path}:{line} (record {i + 1})"
+    if b.to_end:
+        return (where, "<record>", f"{at}; the file ends before this record does, {b.skipped:,} characters after its start "
+                "(was the file cut short, or does a quote or bracket in it not close?)",
+                f"record {i + 1} and the rest of the file left out")
+    return where, "<record>", at, f"record {i + 1} left out, the records after it read"
 
 
 def _parse_line(where: str, line: str, last: bool) -> tuple[str, Any]:
@@ -320,66 +350,3 @@ def num_proc(requested: int | None) -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, requested or cores)
-
-
-# ------------------------------------------------------------------------------------ report
-def _length_summary(lengths: np.ndarray) -> dict:
-    if not len(lengths):
-        return {"mean": 0, "median": 0, "p95": 0, "max": 0}
-    # Percentiles are data values: the smallest at or above the interpolated rank (numpy "higher").
-    return {"mean": round(float(lengths.mean()), 1), "median": int(np.percentile(lengths, 50, method="higher")),
-            "p95": int(np.percentile(lengths, 95, method="higher")), "max": int(lengths.max())}
-
-
-def summarize(ds: Any, total: int, invalid: list[Invalid], cfg: Any) -> dict:
-    """The stats of a prepared dataset. Token counts are of the rendered conversation.
-
-    Keys: records {total, valid, invalid, invalid_by_reason}; tokens {total (before cutoff),
-    trained (after cutoff), supervised (after cutoff)}; length {mean, median, p95, max} in tokens
-    before cutoff; over_cutoff (records truncated); zero_supervised. `with_batch` adds the steps.
-    """
-    n_tokens = np.asarray(ds["n_tokens"] if len(ds) else [], dtype=np.int64)
-    n_sup = np.asarray(ds["n_supervised"] if len(ds) else [], dtype=np.int64)
-    trained = np.minimum(n_tokens, cfg.cutoff_len)
-    valid = len(ds)
-    by_reason = Counter(i.kind for i in invalid)
-    return {
-        "records": {"total": total, "valid": valid, "invalid": len(invalid), "invalid_by_reason": dict(by_reason.most_common())},
-        "tokens": {"total": int(n_tokens.sum()), "trained": int(trained.sum()), "supervised": int(n_sup.sum())},
-        "length": _length_summary(n_tokens),
-        "over_cutoff": int((n_tokens > cfg.cutoff_len).sum()),
-        "zero_supervised": by_reason.get("0 supervised tokens left after cutoff_len", 0) + by_reason.get("0 supervised tokens", 0),
-        "cutoff_len": cfg.cutoff_len,
-    }
-
-
-def holdout_count(n: int, val_size: float) -> int:
-    """Records held out for evaluation from `n`: ceil(val_size x n) for a fraction (< 1), val_size
-    itself for a count (>= 1), as datasets' train_test_split counts them. Never more than n."""
-    import math
-
-    if not val_size:
-        return 0
-    return min(n, math.ceil(val_size * n) if val_size < 1 else int(val_size))
-
-
-def with_batch(report: dict, cfg: Any) -> dict:
-    """The report plus what depends on the batch and the held-out share, not on the data (so not
-    cached with it): train_records = valid - held out (val_size), steps_per_epoch =
-    ceil(train_records / global batch), and the mean trained tokens per step."""
-    valid, gb = report["records"]["valid"], cfg.global_batch_size
-    held = holdout_count(valid, getattr(cfg, "val_size", 0))
-    train = valid - held
-    steps = -(-train // gb) if train else 0
-    return {**report, "global_batch_size": gb, "steps_per_epoch": steps, "eval_records": held, "train_records": train,
-            "tokens_per_step": round(report["tokens"]["trained"] * train / valid / steps, 1) if steps else 0.0}
-
-
-def __getattr__(name: str) -> Any:
-    # prepare() and Prepared live in prepare.py, which imports this module; the old spelling
-    # (`from tuneledger.data import prepare`, evaluate.py's) still works, resolved on first use.
-    if name in ("prepare", "Prepared"):
-        from tuneledger import prepare as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,23 +1,78 @@
-"""What preparing the data reports, the same for stats, dryrun and train: the gate that refuses data
-not fit to train on, the invalid records printed (the first SHOW_INVALID) and written (all of
-them), and stats.json, in the run directory that owns this data or beside it.
+"""What preparing the data reports, the same for stats, dryrun and train: its numbers (`summarize`,
+`with_batch`), the gate that refuses data not fit to train on, the invalid records printed (the
+first SHOW_INVALID) and written (all of them), and stats.json, in the run directory that owns this
+data or beside it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+import numpy as np
+
+if TYPE_CHECKING:  # prepare.Prepared and data.Invalid are named as strings: prepare and data import this module
     from tuneledger.config import JobConfig
-    from tuneledger.prepare import Prepared
 
 SHOW_INVALID = 10  # printed; all of them go to invalid.jsonl
 
 
-def gate(prep: Prepared, cfg: JobConfig, world: int = 1) -> str | None:
+def _length_summary(lengths: np.ndarray) -> dict:
+    if not len(lengths):
+        return {"mean": 0, "median": 0, "p95": 0, "max": 0}
+    # Percentiles are data values: the smallest at or above the interpolated rank (numpy "higher").
+    return {"mean": round(float(lengths.mean()), 1), "median": int(np.percentile(lengths, 50, method="higher")),
+            "p95": int(np.percentile(lengths, 95, method="higher")), "max": int(lengths.max())}
+
+
+def summarize(ds: Any, total: int, invalid: list["Invalid"], cfg: Any) -> dict:
+    """The stats of a prepared dataset. Token counts are of the rendered conversation.
+
+    Keys: records {total, valid, invalid, invalid_by_reason}; tokens {total (before cutoff),
+    trained (after cutoff), supervised (after cutoff)}; length {mean, median, p95, max} in tokens
+    before cutoff; over_cutoff (records truncated); zero_supervised. `with_batch` adds the steps.
+    """
+    n_tokens = np.asarray(ds["n_tokens"] if len(ds) else [], dtype=np.int64)
+    n_sup = np.asarray(ds["n_supervised"] if len(ds) else [], dtype=np.int64)
+    trained = np.minimum(n_tokens, cfg.cutoff_len)
+    valid = len(ds)
+    by_reason = Counter(i.kind for i in invalid)
+    return {
+        "records": {"total": total, "valid": valid, "invalid": len(invalid), "invalid_by_reason": dict(by_reason.most_common())},
+        "tokens": {"total": int(n_tokens.sum()), "trained": int(trained.sum()), "supervised": int(n_sup.sum())},
+        "length": _length_summary(n_tokens),
+        "over_cutoff": int((n_tokens > cfg.cutoff_len).sum()),
+        "zero_supervised": by_reason.get("0 supervised tokens left after cutoff_len", 0) + by_reason.get("0 supervised tokens", 0),
+        "cutoff_len": cfg.cutoff_len,
+    }
+
+
+def holdout_count(n: int, val_size: float) -> int:
+    """Records held out for evaluation from `n`: ceil(val_size x n) for a fraction (< 1), val_size
+    itself for a count (>= 1), as datasets' train_test_split counts them. Never more than n."""
+    import math
+
+    if not val_size:
+        return 0
+    return min(n, math.ceil(val_size * n) if val_size < 1 else int(val_size))
+
+
+def with_batch(report: dict, cfg: Any) -> dict:
+    """The report plus what depends on the batch and the held-out share, not on the data (so not
+    cached with it): train_records = valid - held out (val_size), steps_per_epoch =
+    ceil(train_records / global batch), and the mean trained tokens per step."""
+    valid, gb = report["records"]["valid"], cfg.global_batch_size
+    held = holdout_count(valid, getattr(cfg, "val_size", 0))
+    train = valid - held
+    steps = -(-train // gb) if train else 0
+    return {**report, "global_batch_size": gb, "steps_per_epoch": steps, "eval_records": held, "train_records": train,
+            "tokens_per_step": round(report["tokens"]["trained"] * train / valid / steps, 1) if steps else 0.0}
+
+
+def gate(prep: "Prepared", cfg: JobConfig, world: int = 1) -> str | None:
     """Why this dataset must not be trained on, or None. Shared by stats, dryrun and train;
     `world` (ranks) makes the advice for too few records a global batch that works."""
     rec = prep.report["records"]
@@ -53,7 +108,7 @@ def gate(prep: Prepared, cfg: JobConfig, world: int = 1) -> str | None:
     return None
 
 
-def print_invalid(prep: Prepared, cfg: JobConfig, training: bool = False, gate_passed: bool = True) -> None:
+def print_invalid(prep: "Prepared", cfg: JobConfig, training: bool = False, gate_passed: bool = True) -> None:
     """The first SHOW_INVALID records left out, as plain lines (never wrapped, so they grep), and
     the file `write` puts all of them in (invalid.jsonl, or invalid-<hash>.jsonl beside another
     run's data)."""
@@ -66,7 +121,7 @@ def print_invalid(prep: Prepared, cfg: JobConfig, training: bool = False, gate_p
         print(f"(all of them in {path})")
 
 
-def _suffix(prep: Prepared, cfg: JobConfig, training: bool) -> str:
+def _suffix(prep: "Prepared", cfg: JobConfig, training: bool) -> str:
     """'' when the run directory is this data's (or new), else '-<cache key>' (see write)."""
     owner = run_data_hash(cfg.out_dir, training_only=training)
     key = prep.report["cache_key"]
@@ -95,7 +150,7 @@ def run_data_hash(out_dir: Path, training_only: bool = False) -> tuple[str, str]
     return None
 
 
-def write(prep: Prepared, cfg: JobConfig, gate_passed: bool = True, training: bool = False) -> Path:
+def write(prep: "Prepared", cfg: JobConfig, gate_passed: bool = True, training: bool = False) -> Path:
     """Write stats.json and invalid.jsonl into the run directory, or, when that run belongs to
     other data, stats-<hash>.json and invalid-<hash>.jsonl beside them. Returns the stats path.
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from tuneledger import cache, data_progress
 from tuneledger.data import (DataError, Invalid, bad_text, cache_key, encode, file_sha256, is_chatml_name, num_proc,
-                             read_records, summarize, to_messages, tokenizer_fingerprint, with_batch)
-from tuneledger.data_report import gate, print_invalid, write
+                             read_records, to_messages, tokenizer_fingerprint)
+from tuneledger.data_report import gate, print_invalid, summarize, with_batch, write
 from tuneledger.model import check_embedding_rows, check_remote_code, check_text_causal_lm, read_model_config
 from tuneledger.tokenizer_load import load_tokenizer
 

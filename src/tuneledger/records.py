@@ -58,6 +58,24 @@ def iter_jsonl(path: Path, parse_line: Callable[[str, str, bool], tuple[str, Any
                 yield parse_line(f"{path}:{lineno}", line, last)
 
 
+class Broken:
+    """A stretch of a JSON list that is not a record: `where` is "record" (one element that does not
+    parse; reading went on after it unless `to_end`), "unclosed" (the file ends inside the list,
+    with no ']'), or "extra" (text after the list's ']'). `msg` is json's message at 1-based
+    `line`:`col`; `to_end`: from there to the file's end nothing could be read, `skipped` characters."""
+
+    def __init__(self, where: str, msg: str, line: int, col: int, to_end: bool = False, skipped: int = 0):
+        # json's messages that name a position end in " at" ("Unterminated string starting at"): the
+        # position is said after it.
+        self.where, self.msg, self.line, self.col = where, msg.removesuffix(" at"), line, col
+        self.to_end, self.skipped = to_end, skipped
+
+
+# Where a value ends, outside strings and inside them (the scan past a value that does not parse).
+_STRUCTURE = re.compile(r'["{}\[\],]')
+_IN_STRING = re.compile(r'["\\]')
+
+
 class ListError(ValueError):
     """The JSON list does not parse: `message` with 1-based line and column."""
 
@@ -71,9 +89,12 @@ def iter_json_list(path: Path, seen: dict | None = None) -> Iterator[tuple[int, 
     each element of a file holding one JSON list, parsed value by value (json.JSONDecoder.raw_decode
     over a sliding buffer of about CHUNK characters).
 
-    Raises ListError (line:column, as json.loads reports them) where the text is not JSON, and
-    TypeError (the value's type name) when the file's value is not a list. `seen["bytes"]`, if
-    given, grows by the bytes read."""
+    A value that does not parse is yielded as a Broken, and reading goes on after it: the scan past
+    it follows strings and brackets to the ',' or ']' that ends it, so a bad record costs that
+    record (a quote or bracket that never closes costs the rest of the file, and Broken says so).
+    A list the file ends inside, or text after its ']', is one Broken more. Raises ListError (line:
+    column, as json.loads reports them) when the file holds no value at all, and TypeError (the
+    value's type name) when its value is not a list. `seen["bytes"]`, if given, grows by the bytes read."""
     import codecs
 
     dec = json.JSONDecoder()
@@ -132,14 +153,49 @@ def iter_json_list(path: Path, seen: dict | None = None) -> Iterator[tuple[int, 
                 if not fill():
                     return ""
 
-        def value() -> tuple[Any, str]:
+        def past_value() -> bool:
+            """Move pos past the value starting there to the ',' or ']' that ends it; False: the
+            file ended first. The text passed is let go as the scan goes (one buffer held)."""
+            depth, in_str, k = 0, False, st["pos"]
+            while True:
+                buf = st["buf"]
+                while k < len(buf):
+                    m = (_IN_STRING if in_str else _STRUCTURE).search(buf, k)
+                    if m is None:
+                        k = len(buf)
+                        break
+                    ch, k = m.group(0), m.end()
+                    if in_str:
+                        in_str = ch != '"'
+                        k += ch == "\\"  # the escaped character (past the buffer's end: skipped after the fill)
+                    elif ch == '"':
+                        in_str = True
+                    elif ch in "{[":
+                        depth += 1
+                    elif depth == 0 and ch in ",]":
+                        st["pos"] = m.start()
+                        return True
+                    elif ch in "}]":
+                        depth = max(0, depth - 1)
+                over = k - len(buf)
+                st["pos"] = len(buf)
+                if not fill():
+                    return False
+                k = st["pos"] + over
+
+        def value() -> tuple[Any, str] | Broken:
             while True:
                 try:
                     v, end = dec.raw_decode(st["buf"], st["pos"])
                 except json.JSONDecodeError as e:
-                    if fill():  # cut by the buffer's end, most likely: read on (to the file's end, at worst)
+                    # Cut by the buffer's end (an error at its end, or a string still open there):
+                    # read on and parse again. Any other error is the value's own.
+                    cut = e.pos >= len(st["buf"]) - 6 or e.msg.startswith("Unterminated string")
+                    if cut and fill():
                         continue
-                    raise ListError(e.msg, *where(e.pos)) from None
+                    return broken(e.msg, e.pos)
+                except (ValueError, RecursionError) as e:  # an int over Python's digit limit, nesting too deep
+                    return broken(f"{type(e).__name__}: {str(e)[:200]}", st["pos"])
                 if isinstance(v, (int, float)) and not st["done"] and \
                         all(ch in NUMBER_CHARS for ch in st["buf"][end:]) and fill():
                     continue  # a number (or its exponent) may go on past the buffer: parse it again when whole
@@ -147,35 +203,62 @@ def iter_json_list(path: Path, seen: dict | None = None) -> Iterator[tuple[int, 
                 st["pos"] = end
                 return v, text
 
+        def broken(msg: str, at: int, kind: str = "record") -> Broken:
+            line, col = where(at)
+            start = st["base"] + st["pos"]
+            ended = past_value()
+            return Broken(kind, msg, line, col, to_end=not ended, skipped=st["base"] + st["pos"] - start)
+
         fill()
         c = peek()
         if c == "":
             raise ListError("Expecting value", *where(st["pos"]))
         if c != "[":
-            v, _ = value()
-            raise TypeError(type(v).__name__)
+            got = value()
+            if isinstance(got, Broken):
+                raise ListError(got.msg, got.line, got.col)
+            raise TypeError(type(got[0]).__name__)
         st["pos"] += 1
-        if peek() == "]":
-            st["pos"] += 1
-        else:
-            index = 0
-            while True:
-                if peek() == "":
-                    raise ListError("Expecting value", *where(st["pos"]))
+        index, want_value = 0, peek() != "]"
+        while True:
+            c = peek()
+            if want_value:
                 line = line_at(st["pos"])
-                v, text = value()
-                yield index, v, st["raw_bad"] and bool(_SURROGATE.search(text)), line
-                index += 1
-                c = peek()
-                if c == ",":
-                    st["pos"] += 1
-                elif c == "]":
-                    st["pos"] += 1
-                    break
+                if c == "":  # after '[' or ',': the file ends where a record should begin
+                    yield index, Broken("unclosed", "Expecting value", *where(st["pos"])), False, line
+                    return
+                got = value()
+                if isinstance(got, Broken):
+                    yield index, got, False, line
+                    if got.to_end:  # nothing after it could be read: it said so, the list is over
+                        return
                 else:
-                    raise ListError("Expecting ',' delimiter" if c else "Expecting ',' delimiter", *where(st["pos"]))
+                    yield index, got[0], st["raw_bad"] and bool(_SURROGATE.search(got[1])), line
+                index, want_value = index + 1, False
+            elif c == ",":
+                st["pos"] += 1
+                want_value = True
+            elif c == "]":
+                st["pos"] += 1
+                break
+            elif c == "":
+                yield index, Broken("unclosed", "Expecting ',' delimiter", *where(st["pos"])), False, line_at(st["pos"])
+                return
+            else:  # more text after a value, a missing ',' most likely: what follows is a record that does not parse
+                line = line_at(st["pos"])
+                got = broken("Expecting ',' delimiter", st["pos"])
+                yield index, got, False, line
+                if got.to_end:
+                    return
+                index += 1
         if peek() != "":
-            raise ListError("Extra data", *where(st["pos"]))
+            line = line_at(st["pos"])
+            msg_at = where(st["pos"])
+            start = st["base"] + st["pos"]
+            while fill():  # the rest is not read as records; how much of it there is, is said
+                st["pos"] = len(st["buf"])
+            st["pos"] = len(st["buf"])
+            yield index, Broken("extra", "Extra data", *msg_at, to_end=True, skipped=st["base"] + st["pos"] - start), False, line
 
 
 class RecordWriter:

@@ -14,7 +14,7 @@ from typing import Any
 from tuneledger.config import JobConfig
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.data_report import gate, print_invalid, run_data_hash, write  # noqa: F401  (stats' API too)
-from tuneledger.model import PreflightError
+from tuneledger.model_location import PreflightError
 from tuneledger.prepare import Prepared, checked_tokenizer, prepare
 
 

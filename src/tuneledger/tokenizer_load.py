@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tuneledger.model_location import PreflightError, locate_model
+
 
 def load_tokenizer(name_or_path: str) -> Any:
     """The model's tokenizer, with a pad token that is an existing token (distinct from eos if possible).
@@ -18,8 +20,6 @@ def load_tokenizer(name_or_path: str) -> Any:
     from input_ids == pad, so the end-of-turn token stays supervised. Raises PreflightError if
     there is no chat template or no eos.
     """
-    from tuneledger.model import PreflightError, locate_model  # at call time: model.py imports this module
-
     local = locate_model(name_or_path)
     from transformers import AutoTokenizer
 
