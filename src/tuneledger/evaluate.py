@@ -63,7 +63,7 @@ def score(model: Any, tokenizer: Any, ds: Any, batch_size: int = 4) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from tuneledger.config import ConfigError, JobConfig
-    from tuneledger.data import prepare
+    from tuneledger.prepare import prepare
     from tuneledger.templateinfo import template_line
     from tuneledger.usecfg import resolve_use
 

@@ -51,8 +51,9 @@ from typing import Any
 from tuneledger.atomicdir import atomic_dir
 from tuneledger.checkpoints import LoadError, find_checkpoint
 from tuneledger.loading import run_conversations
-from tuneledger.model import PreflightError, load_tokenizer, read_model_config
+from tuneledger.model import PreflightError, read_model_config
 from tuneledger.perms import apply_umask
+from tuneledger.tokenizer_load import load_tokenizer
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]

@@ -90,7 +90,7 @@ def load(run: str | None, checkpoint: str | None = None, base: str | None = None
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tuneledger.model import load_tokenizer
+    from tuneledger.tokenizer_load import load_tokenizer
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -88,7 +88,7 @@ def tokenizer_bytes(model: str) -> int:
     folder (the Trainer saves it as a fast tokenizer: Qwen2.5's tokenizer.json alone is 11 MB)."""
     import tempfile
 
-    from tuneledger.model import load_tokenizer
+    from tuneledger.tokenizer_load import load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         load_tokenizer(model).save_pretrained(tmp)

@@ -238,7 +238,7 @@ def quantize(merged: Path, out: Path, scheme: str = "awq", samples: int = 64, se
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from tuneledger.model import load_tokenizer
+    from tuneledger.tokenizer_load import load_tokenizer
 
     if scheme not in SCHEMES:
         raise QuantizeError(f"--scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")

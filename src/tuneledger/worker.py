@@ -77,7 +77,8 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     import datasets
     import torch.distributed as dist
 
-    from tuneledger.model import align_special_tokens, load_model, load_tokenizer
+    from tuneledger.model import align_special_tokens, load_model
+    from tuneledger.tokenizer_load import load_tokenizer
 
     mode, cuda = job["mode"], device.type == "cuda"
     out_dir = Path(job["out_dir"])
