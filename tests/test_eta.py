@@ -217,3 +217,18 @@ def test_dry_run_predicts_the_whole_train_command(tmp_path, tiny_model):
     error = check["total"]["predicted_s"] / wall - 1
     table = "\n".join(f"  {k}: {v}" for k, v in check["parts"].items())
     assert abs(error) <= 0.30, f"whole command: predicted {check['total']['predicted_s']} s, took {wall:.1f} s\n{table}"
+
+
+def test_a_compiled_run_is_predicted_with_the_cached_compile():
+    """The train after a dry-run finds its kernels in inductor's cache: the ETA's compile part is
+    the warm compile the dry-run measured, and the dry-run's own (cold) one is kept beside it."""
+    startup = {k: 1.0 for k in eta.STARTUP if k != "compile_s"}
+    warm = eta.predict(startup, [5.0, 1.0], [1.0, 1.1, 0.9], 20, 10, 2.0, 3.0, compiled=True, warm_compile_s=2.0)
+    cold = eta.predict(startup, [5.0, 1.0], [1.0, 1.1, 0.9], 20, 10, 2.0, 3.0, compiled=True)
+    assert cold["parts"]["compile_s"] == cold["cold_compile_s"] == 4.0  # 6 s for 2 steps of 1 s median
+    assert warm["parts"]["compile_s"] == 2.0 and warm["cold_compile_s"] == 4.0
+    assert warm["total_s"] == cold["total_s"] - 2.0
+    assert "compile 2.0 s; compile from the dry-run's cached kernels, 4.0 s cold)" in eta.fmt_parts(warm)
+    assert "cold" not in eta.fmt_parts(cold)
+    plain = eta.predict(startup, [5.0, 1.0], [1.0, 1.1, 0.9], 20, 10, 2.0, 3.0, warm_compile_s=2.0)
+    assert plain["parts"]["compile_s"] == 0.0 and plain["cold_compile_s"] is None

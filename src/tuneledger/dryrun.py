@@ -159,7 +159,8 @@ def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
         if timing else 0.0
     return eta_.predict(measured, parts["durations"][:w], parts["durations"][w:], steps,
                         cfg.save_steps, save_s, parts["finish_s"], eval_s=eval_s,
-                        measured=[k for k in eta_.PARTS if k != "eval_s" or timing], compiled=ledger.compiled(result["model"]))
+                        measured=[k for k in eta_.PARTS if k != "eval_s" or timing], compiled=ledger.compiled(result["model"]),
+                        warm_compile_s=(result.get("warm_compile") or {}).get("compile_s"))
 
 
 

@@ -9,9 +9,14 @@ Parts, in seconds, in the order the command spends them (PARTS):
     launch_s        torchrun until rank 0's worker runs (process spawn, imports, process group)
     model_load_s    dataset and tokenizer open, model load, 4-bit quantization, LoRA
     setup_s         Trainer set-up until the first step begins (optimizer, DDP, first batches)
-    compile_s       torch_compile only: what the first `dryrun_warmup_steps` steps took beyond their
-                    count x the median s/step (dynamo and inductor compiling the decoder layer, and
-                    recompiling once for dynamic shapes); 0 when nothing is compiled
+    compile_s       torch_compile only: what compiling costs the train, which finds the dry-run's
+                    kernels in inductor's cache (launch puts it under cache_dir): measured after the
+                    dry-run's steps by compiling again from that cache (probes.time_warm_compile).
+                    The dry-run's own, cold, compile (what its first `dryrun_warmup_steps` steps
+                    took beyond their count x the median s/step: dynamo and inductor compiling the
+                    decoder layer, and recompiling once for dynamic shapes) is kept as
+                    cold_compile_s; a train is predicted with it when the warm one is missing.
+                    0 when nothing is compiled
     warmup_steps_s  the run's first `dryrun_warmup_steps` steps: their count x the median s/step. Not
                     their own dry-run times: a dry-run on a fresh machine pays one-off first-use
                     costs there (CUDA's kernel cache, first shapes) that the train after it does
@@ -107,12 +112,15 @@ def compile_excess(warmup: list[float], median: float) -> float:
 
 def predict(startup: dict[str, float], warmup: list[float], steady: list[float], total_steps: int, save_steps: int,
             save_s: float, finish_s: float, eval_s: float = 0.0, measured: list[str] | None = None,
-            compiled: bool = False) -> dict:
+            compiled: bool = False, warm_compile_s: float | None = None) -> dict:
     """The whole command's ETA from measured parts (seconds; see the module doc for the parts).
 
     startup: STARTUP parts; warmup: the run's first steps' durations; steady: the measured steps'
     durations; eval_s: all of the run's evaluations (their count x the time of one); compiled: the
-    decoder layers are compiled, so the first steps' excess is start-up (compile_s). Returns parts, total_s with low_s-high_s (the median's bootstrap range), the step
+    decoder layers are compiled, so the first steps' excess is start-up (compile_s); warm_compile_s:
+    what compiling costs with this run's kernels already in inductor's cache (probes.time_warm_compile),
+    which is what a train after its dry-run pays: compile_s then, and the first steps' excess is
+    kept as cold_compile_s. Returns parts, total_s with low_s-high_s (the median's bootstrap range), the step
     statistics, and what the mean and trimmed mean would have predicted (kept, so every train
     checks the estimators too). Raises ValueError without a steady step.
     """
@@ -124,13 +132,14 @@ def predict(startup: dict[str, float], warmup: list[float], steady: list[float],
     lo, hi = median_range(steady)
     saves = n_saves(total_steps, save_steps)
     parts = {k: float(startup.get(k) or 0.0) for k in STARTUP}
-    parts["compile_s"] = compile_excess(warmup[:w], stats["median"]) if compiled else 0.0
+    cold = compile_excess(warmup[:w], stats["median"]) if compiled else 0.0
+    parts["compile_s"] = warm_compile_s if compiled and warm_compile_s is not None else cold
     parts.update({"warmup_steps_s": w * stats["median"], "steps_s": rest * stats["median"], "saves_s": saves * save_s,
                   "eval_s": eval_s, "finish_s": finish_s})
     total = sum(parts.values())
     return {
         "total_steps": total_steps, "warmup_steps": w, "warmup_measured_s": sum(warmup[:w]), "steady_steps": rest,
-        "checkpoints": saves, "save_s": save_s,
+        "checkpoints": saves, "save_s": save_s, "cold_compile_s": cold if compiled else None,
         "estimator": "median", "s_per_step": stats["median"], "s_per_step_range": [lo, hi], "step_spread": stats,
         "parts": parts, "measured": measured if measured is not None else [k for k in PARTS if k != "eval_s"],
         "total_s": total, "low_s": total + total_steps * (lo - stats["median"]),
@@ -150,7 +159,10 @@ def fmt_parts(eta: dict) -> str:
     p = eta["parts"]
     start = sum(p[k] for k in STARTUP)
     inner = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {p[k]:.1f}" for k in STARTUP)
-    text = (f"start-up {fmt_h(start)} ({inner} s) + {eta['warmup_steps']} warm-up steps {p['warmup_steps_s']:.1f} s "
+    note = ""
+    if eta.get("cold_compile_s") is not None and abs(eta["cold_compile_s"] - p["compile_s"]) > 0.05:
+        note = f"; compile from the dry-run's cached kernels, {eta['cold_compile_s']:.1f} s cold"
+    text = (f"start-up {fmt_h(start)} ({inner} s{note}) + {eta['warmup_steps']} warm-up steps {p['warmup_steps_s']:.1f} s "
             f"+ {eta['steady_steps']} steps x {eta['s_per_step']:.3f} s = {fmt_h(p['steps_s'])} "
             f"+ {plural(eta['checkpoints'], 'save')} x {eta['save_s']:.1f} s")
     if p["eval_s"]:
@@ -180,7 +192,7 @@ def worker_parts(result: dict, t_launch: float, t_exit: float) -> dict:
         "loop_wall_s": (steps[-1]["wall_end"] - first - saves_in_loop) if steps else 0.0,
         "saves_s": sum(s["s"] for s in saves),
         "save_s": [s["s"] for s in saves],
-        "finish_s": t_exit - last_end - tl.get("benches_s", 0.0) - tl.get("eval_timing_s", 0.0),
+        "finish_s": t_exit - last_end - tl.get("benches_s", 0.0) - tl.get("eval_timing_s", 0.0) - tl.get("warm_compile_s", 0.0),
     }
 
 

@@ -216,3 +216,51 @@ def replay_order(trainer: LedgerTrainer, ds: Any, total_steps: int, steps_per_ep
     trainer.train_dataset = ds.select(picked)
     trainer.replay = True
     return positions
+
+
+def time_warm_compile(trainer: LedgerTrainer, micro_batches: int = 3) -> dict | None:
+    """What compiling costs a train that runs after this dry-run (s): the train finds this run's
+    kernels in inductor's cache (launch puts it under cache_dir), so it traces and loads, but
+    does not generate or build them again (preset D on an H200: 14 s against the dry-run's 27 s,
+    bench/results/h200-2026-12-01-session3).
+
+    Measured, not guessed: the compiled code is dropped (torch._dynamo.reset(); the on-disk cache
+    stays) and the dry-run's first `micro_batches` micro-batches run forward and backward twice
+    (varying in shape, as the run's first steps, which compiled once per shape and then with dynamic
+    shapes). The first pass pays the warm compile, the second none: compile_s is their difference.
+    Gradients are zeroed afterwards and no optimizer step is taken. Returns {"compile_s",
+    "first_pass_s", "second_pass_s", "micro_batches"}, or None when the run has no batches.
+    """
+    from contextlib import nullcontext
+
+    from torch import _dynamo
+
+    model = trainer.model_wrapped
+    batches = []
+    for b in trainer.get_train_dataloader():
+        batches.append(trainer._prepare_inputs(b))
+        if len(batches) == micro_batches:
+            break
+    if not batches:
+        return None
+    cuda = next(model.parameters()).is_cuda
+
+    def one_pass() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        # Every rank runs the same passes; no_sync keeps DDP from all-reducing these gradients.
+        with model.no_sync() if hasattr(model, "no_sync") else nullcontext():
+            for b in batches:
+                trainer.compute_loss(model, b).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    model.train()
+    _dynamo.reset()
+    first = one_pass()
+    second = one_pass()
+    model.zero_grad(set_to_none=True)
+    return {"compile_s": max(0.0, first - second), "first_pass_s": first, "second_pass_s": second,
+            "micro_batches": len(batches)}

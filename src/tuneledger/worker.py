@@ -32,7 +32,8 @@ from tuneledger.config import JobConfig
 from tuneledger.guards import CrashAfterStep, NonFiniteGuard, SealCheckpoint, StopOnSignal, set_parent_death_signal
 from tuneledger.ledger import compiled, run_loss
 from tuneledger.nodes import check_same_nodes, host_name
-from tuneledger.probes import Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order
+from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,
+                               time_warm_compile)
 from tuneledger.progress import StepProgress
 from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, make_collator, training_args
 
@@ -163,6 +164,11 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         from tuneledger.speed import compile_stats
 
         info["levers"]["compile_stats"] = compile_stats()
+    warm_compile = None
+    if mode == "dryrun" and compiled(info):
+        t_warm = time.perf_counter()
+        warm_compile = time_warm_compile(trainer)
+        timeline["warm_compile_s"] = time.perf_counter() - t_warm  # dry-run only: not part of the finish
     t_eval = time.perf_counter()
     eval_timing = time_eval(trainer, eval_ds, cfg) if mode == "dryrun" and eval_ds is not None else None
     # dry-run only (its ETA adds the run's evaluations as their own part): not part of the finish
@@ -214,7 +220,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "stopped": guard.tripped or (stopper and stopper.stopped) or None,
         "eval_records": len(eval_ds) if eval_ds is not None else 0, "eval": evals, "eval_timing": eval_timing,
         "best_checkpoint": best[0] if best else None, "best_eval_loss": best[1] if best else None,
-        "saves": timer.saves, "timeline": timeline, "positions": positions,
+        "saves": timer.saves, "timeline": timeline, "positions": positions, "warm_compile": warm_compile,
     }
 
 
