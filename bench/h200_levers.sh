@@ -3,7 +3,8 @@
 # project's own dry-run on the SYNTHETIC Qwen2.5-7B and the 400 field-length conversations, in one call:
 #   the GPU run of tests/test_speed.py (packing isolation per attention backend, fused LoRA);
 #   preset D plain (sdpa, no Liger, peft's LoRA) -> D with the defaults (auto) -> D + regional compile
-#   -> D with lora_dropout 0.05 -> C with the defaults -> C + compile; a sync-debug step on D.
+#   -> D with lora_dropout 0.05 -> C with the defaults -> C + compile; a sync-debug step on D;
+#   then one profiled step of PROFILE_RUN (default D; empty: none), its kernel-time table by category.
 # Needs (carried, never committed): .whl (bench/device_env.sh), .usite (bitsandbytes from
 # ../shared/tools/make_unsloth_site.sh), .carry/alpaca_fieldlen.json (bench/make_fieldlen_data.py).
 #   bash bench/h200_levers.sh            # on the device, from the repository root
@@ -95,6 +96,21 @@ for r in $RUNS; do
 done
 peers=(); for f in "$OUT/unsloth.json" "$OUT/hf.json"; do [ -f "$f" ] && peers+=("$f"); done
 ${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" ${peers[@]:+--peers "${peers[@]}"} 2>&1 | tee /tmp/logs/bench_table.log
+# Where one step's time goes: a short dry-run of PROFILE_RUN (a preset, defaults) with one step
+# profiled (src/tuneledger/profile.py), its kernel-time table by category printed and kept.
+PROFILE_RUN=${PROFILE_RUN-D}
+if [ -n "$PROFILE_RUN" ]; then
+  if [ "$(left)" -lt 120 ]; then stamp "profile of $PROFILE_RUN skipped: $(left) s left"; else
+    d=/tmp/run-prof-$PROFILE_RUN; rm -rf "$d"
+    stamp "profile: step $(( WARMUP + 2 )) of preset $PROFILE_RUN (defaults), kernel time by category"
+    TUNELEDGER_PROFILE_STEP=$(( WARMUP + 2 )) timeout -k 10 -s INT $(( $(left) - 20 )) $TL dryrun $JOB run_name=prof-$PROFILE_RUN \
+      output_dir="$d" $AUTO dryrun_steps=$(( WARMUP + 3 )) --preset "$PROFILE_RUN" --nproc 1 --no-fit-check $FLAGS \
+      > /tmp/logs/dryrun-prof-$PROFILE_RUN.log 2>&1
+    f=$(find "$d" -name "profile-step*.md" | head -1)
+    if [ -n "$f" ]; then cp "$f" "$OUT/profile-$PROFILE_RUN.md"; sed -n '1,32p' "$f" | tee -a "$LOG"
+    else stamp "profile: no profile-step*.md (see /tmp/logs/dryrun-prof-$PROFILE_RUN.log)"; fi
+  fi
+fi
 grep -h -B2 -A6 "Warning: called a synchronizing" /tmp/logs/dryrun-Dauto.log 2>/dev/null | head -80 > /tmp/logs/syncs.log
 stamp "syncs warned in one D step: $(grep -c 'called a synchronizing' /tmp/logs/dryrun-Dauto.log 2>/dev/null)"
 cp "$LOG" "$OUT/"; [ -f /tmp/logs/test_speed_gpu.log ] && cp /tmp/logs/test_speed_gpu.log "$OUT/"
