@@ -167,6 +167,19 @@ def test_load_model_records_levers(tiny_model):
     assert info["attention"] == speed.VARLEN and "reference" in levers["attention"]
     assert levers["liger"].startswith("off (needs a CUDA GPU")
     assert levers["fused_lora"] == "on (14 projections)" and levers["compile"] == "off (no CUDA GPU)"
+    assert "lora_dropout_cost" not in levers
+
+
+def test_the_ledger_says_what_dropout_costs(tiny_model):
+    """With dropout on, the levers line says what it costs and how to skip it, so the user decides."""
+    from tuneledger.model import load_model
+
+    for fused, says in ((None, "3% of preset D's tokens/s"), (False, "keeps a copy of each projection's input")):
+        cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4,
+                                 "lora_dropout": 0.05, "fused_lora": fused})
+        levers = load_model(cfg, "cpu")[1]["levers"]
+        assert levers["lora_dropout"] == 0.05 and says in levers["lora_dropout_cost"]
+        assert "lora_dropout_cost" in speed.levers_line(levers)
 
 
 def test_compile_is_auto_and_refuses_the_unsafe_4bit_path(tiny_model):

@@ -185,6 +185,13 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     levers["compile"] = _lever(speed.compile_layers, model, cfg.torch_compile, device.type,
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit))
     levers["lora_dropout"] = cfg.lora_dropout
+    if cfg.lora_dropout:
+        # What the user weighs it against (measured in make bench's Ddrop row, not in this run).
+        levers["lora_dropout_cost"] = ("in the fused projection about 3% of preset D's tokens/s and no memory on one H200 "
+                                       "(bench/results/h200-2026-12-01-session3); set lora_dropout=0 (LLaMA-Factory's "
+                                       "and Unsloth's default) to skip it" if levers["fused_lora"].startswith("on") else
+                                       "peft's dropout keeps a copy of each projection's input; the fused projection "
+                                       "(fused_lora) keeps none")
     trainable, total = model.get_nb_trainable_parameters()
     info = {
         "trainable_params": int(trainable), "total_params": int(total),
