@@ -9,6 +9,7 @@ rank starts, `prepare_eval` the same for an eval_dataset.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,16 +42,16 @@ class Prepared:
     rebuilt: str = ""
 
 
-# Columns of the tokenized records: int32 ids and labels (Qwen2.5's 151,665 ids and -100 fit), half
-# the bytes of the int64 that Python ints would become, on disk, in the page cache and in each rank.
-_INT32 = ("input_ids", "labels", "n_tokens", "n_supervised")
-# A cache with more Arrow bytes than this is copied into place by datasets' spawned save workers
-# (save_to_disk num_proc), so its pages are read in short-lived processes, not in this one.
-COPY_IN_WORKERS = 256 << 20
+# A cache with more Arrow bytes than this (80 MB of alpaca JSON make 150 MB) is copied into place by
+# datasets' spawned save workers (save_to_disk num_proc), so its pages are read in short-lived
+# processes, not in this one; a smaller one is not worth their start (a few seconds).
+COPY_IN_WORKERS = 64 << 20
 SHARD = "256MB"
 
 
 def _features() -> Any:
+    """The tokenized records' columns: int32 ids and labels (Qwen2.5's 151,665 ids and -100 fit),
+    half the bytes of the int64 that Python ints become, on disk, in the page cache, in each rank."""
     import datasets
 
     ids = datasets.List(datasets.Value("int32"))
@@ -82,13 +83,19 @@ def _encode_batch(batch: dict, rank: int | None, tokenizer: Any, cutoff_len: int
 
 
 def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
-    """Validate, tokenize (in parallel) and cache `cfg.dataset` for `tokenizer`.
+    """Validate, tokenize and cache `cfg.dataset` for `tokenizer`, in memory that does not grow
+    with the data: records are read as a stream into an Arrow file, tokenized from it memory-
+    mapped on every core (`preprocessing_num_workers`, default: all this process may use), and
+    the result saved as the sealed cache without passing through this process's memory (only
+    its small columns are read, by read(2); a cache over COPY_IN_WORKERS is copied by spawned
+    workers). With `progress`, a phase over 5 s says records/s, tokens/s and an ETA on stderr.
 
     The cache key covers every data file's sha256, the tokenizer fingerprint, the template,
     default_system, cutoff_len, placeholders and max_samples; a hit loads in well under a second
     and is what training ranks read, so no rank tokenizes inside the process group. A cache is a
     hit only when its seal and ids check out (cache.check); a damaged one is named, set aside and
-    built again (`Prepared.rebuilt`). Raises DataError for unreadable files.
+    built again (`Prepared.rebuilt`). Raises DataError for a file that cannot be read at all (a
+    fault of one record, a JSON list that breaks included, is an Invalid in the report).
     """
     import datasets
 
@@ -125,15 +132,14 @@ def prepare(cfg: Any, tokenizer: Any, progress: bool = True) -> Prepared:
     writer = RecordWriter(Path(cfg.cache_dir))
     try:
         total, invalid = _read(sources, cfg, writer, progress)
-        ds = writer.dataset()
+        ds = kept = writer.dataset()
         if len(ds):
-            ds, left_out = _tokenize(ds, tokenizer, cfg, key, writer.dir, progress)
+            ds, left_out, kept = _tokenize(ds, tokenizer, cfg, key, writer.dir, progress)
             invalid += left_out
-        # The report reads two small columns of the kept records (an Arrow table), not their ids.
-        kept = ds.select_columns(["n_tokens", "n_supervised"]).with_format("arrow")[:] if len(ds) else ds
         report = summarize(kept, total, invalid, cfg)
         report.update({"cache_key": key, "data_files": hashes, "tokenizer_fingerprint": tok_fp[:16]})
-        workers = min(4, num_proc(cfg.preprocessing_num_workers)) if ds.data.nbytes > COPY_IN_WORKERS else None
+        size = sum(os.path.getsize(f["filename"]) for f in ds.cache_files)
+        workers = min(4, num_proc(cfg.preprocessing_num_workers)) if size > COPY_IN_WORKERS else None
         cache.save(ds, path, report, [i.as_dict() for i in invalid], workers=workers, shard=SHARD)
     finally:  # the batches and the tokenizer's map files under it, however this ends
         writer.remove()
@@ -173,12 +179,10 @@ def _read(sources: list, cfg: Any, writer: Any, progress: bool) -> tuple[int, li
     return total, invalid
 
 
-def _tokenize(ds: Any, tokenizer: Any, cfg: Any, key: str, work: Path, progress: bool) -> tuple[Any, list[Invalid]]:
+def _tokenize(ds: Any, tokenizer: Any, cfg: Any, key: str, work: Path, progress: bool) -> tuple[Any, list[Invalid], Any]:
     """Tokenize the records in `ds` on every core (datasets' map, num_proc; results in Arrow files
-    under `work`); (the trainable records, memory-mapped, the invalid ones). Only the small
-    where/field/reason columns are read here."""
-    import pyarrow.compute as pc
-
+    under `work`). Returns (the trainable records, memory-mapped; the invalid ones; their
+    n_tokens and n_supervised as an Arrow table, for the report)."""
     procs = min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64))
     counts = data_progress.Counts(work / "progress.bin", procs)
     meter = data_progress.Meter(f"tokenizing {len(ds):,} records on {procs} process{'es' if procs > 1 else ''}",
@@ -191,14 +195,38 @@ def _tokenize(ds: Any, tokenizer: Any, cfg: Any, key: str, work: Path, progress:
             new_fingerprint=f"{key}-tokens",
             fn_kwargs={"tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len, "default_system": cfg.default_system,
                        "counts": str(counts.path)})
-    table = ds.data.table
-    bad = pc.not_equal(table.column("reason"), "")
-    invalid = [Invalid(r["where"], r["field"], r["reason"], r["reason"].split(":", 1)[0])  # named by the record's own field
-               for r in table.select(["where", "field", "reason"]).filter(bad).to_pylist()]
-    if invalid:
-        ds = ds.filter(lambda reasons: [not r for r in reasons], input_columns="reason", batched=True,
-                       cache_file_name=str(work / "kept.arrow"), new_fingerprint=f"{key}-kept")
-    return ds.remove_columns(["reason", "field"]), invalid
+    invalid, bad_rows, kept = _scan([f["filename"] for f in ds.cache_files])
+    if bad_rows:  # an indices mapping: no row is read or copied here
+        bad = set(bad_rows)
+        ds = ds.select([i for i in range(len(ds)) if i not in bad], indices_cache_file_name=str(work / "kept.arrow"),
+                       new_fingerprint=f"{key}-kept")
+    return ds.remove_columns(["reason", "field"]), invalid, kept
+
+
+def _scan(files: list[str]) -> tuple[list[Invalid], list[int], Any]:
+    """One pass over the map's Arrow files in order, read(2) batch by batch: (the records the
+    tokenizer refused, named by their own field; their row numbers; n_tokens and n_supervised of
+    the others, an Arrow table). Not through the memory map: a column of every batch read there
+    maps the pages around each read too (fault-around), 0.25 GB per column scan at 800 MB."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    invalid: list[Invalid] = []
+    rows: list[int] = []
+    small = []
+    at = 0
+    for name in files:
+        with pa.OSFile(name) as source:
+            for batch in pa.ipc.open_stream(source):
+                t = pa.Table.from_batches([batch])
+                bad = pc.not_equal(t.column("reason"), "")
+                if pc.any(bad).as_py():
+                    rows += [at + i for i, b in enumerate(bad.to_pylist()) if b]
+                    invalid += [Invalid(r["where"], r["field"], r["reason"], r["reason"].split(":", 1)[0])
+                                for r in t.select(["where", "field", "reason"]).filter(bad).to_pylist()]
+                small.append(t.select(["n_tokens", "n_supervised"]).filter(pc.invert(bad)))
+                at += len(t)
+    return invalid, rows, pa.concat_tables(small) if small else pa.table({"n_tokens": [], "n_supervised": []})
 
 
 def load_prepared(cfg: JobConfig, progress: bool = True, model_checked: bool = False) -> Prepared:
