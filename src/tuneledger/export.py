@@ -50,7 +50,7 @@ from typing import Any
 
 from tuneledger.atomicdir import atomic_dir
 from tuneledger.checkpoints import LoadError, find_checkpoint
-from tuneledger.loading import run_conversations
+from tuneledger.loading import run_conversations, run_dir
 from tuneledger.model import PreflightError, read_model_config
 from tuneledger.perms import apply_umask
 from tuneledger.tokenizer_load import load_tokenizer
@@ -256,9 +256,10 @@ def run(args: argparse.Namespace) -> int:
     if adapter is None:
         raise ConfigError(f"{use.where}: export merges an adapter, and adapter_name_or_path is not set; a model without "
                           "an adapter needs no merge (INT4 of it: tuneledger quantize --merged MODEL)")
-    adapter = Path(adapter) / (f"checkpoint-{args.checkpoint}" if args.checkpoint else "")
     device = args.device or {"cpu": "cpu", "auto": None}[use.get("export_device", "auto")]
     try:
+        # A run name is a folder under runs/, as for chat and eval; a path is itself.
+        adapter = run_dir(str(adapter)) / (f"checkpoint-{args.checkpoint}" if args.checkpoint else "")
         ckpt = find_checkpoint(adapter)
         out = Path(args.out or use.get("export_dir") or (ckpt if (ckpt / "job.json").is_file() else ckpt.parent) / "export")
         led = export(adapter, out, args.base or use.base, args.dtype, args.max_new_tokens, device,

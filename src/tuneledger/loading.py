@@ -51,10 +51,12 @@ def run_dir(run: str) -> Path:
     p = Path(run)
     if p.exists():
         return p
-    named = Path("runs") / run
-    if named.exists():
-        return named
-    raise LoadError(f"no run {run!r}: neither {p} nor {named} exists")
+    if len(p.parts) == 1:  # a bare name is a run under runs/; a path is only itself
+        named = Path("runs") / run
+        if named.exists():
+            return named
+        raise LoadError(f"no run {run!r}: neither {p} nor {named} exists")
+    raise LoadError(f"{p} does not exist")
 
 
 def run_config(path: Path) -> dict:

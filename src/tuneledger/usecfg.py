@@ -95,6 +95,12 @@ def resolve_use(verb: str, items: list[str]) -> Use:
         base = over.get("model_name_or_path")
     else:
         run = None
+    if config is not None and run is not None and not (Path(run).exists() or (len(Path(run).parts) == 1 and (Path("runs") / run).exists())):
+        key = "adapter_name_or_path" if keys.get("adapter_name_or_path") else ("output_dir" if keys.get("output_dir") else "run_name")
+        at = f"{where}:{lines[key]}" if key in lines else where
+        raise ConfigError(f"{at}: {key}: {run} does not exist" + (
+            "; point adapter_name_or_path at a run folder or one of its checkpoint-N folders"
+            if key == "adapter_name_or_path" else "; this config's run has not been trained yet (tuneledger train it)"))
     if run is None and not base:
         raise ConfigError(f"{where}: nothing to load: give adapter_name_or_path (the adapter) with model_name_or_path "
                           "(its base), or a RUN (runs/RUN or a folder)")
