@@ -91,6 +91,7 @@ class Sampler:
                      "tree_rss": 0}
         self.main_cpu = 0.0
         self.children_seen: list[float] = []
+        self.timeline: list[tuple[float, int, int]] = []  # (s, main anon MB, main file MB) when either moved 16 MB
 
     def sample(self, t: float) -> None:
         try:
@@ -103,6 +104,9 @@ class Sampler:
         self.peak["main_hwm"] = max(self.peak["main_hwm"], st.get("VmHWM", 0))
         self.peak["main_anon"] = max(self.peak["main_anon"], st.get("RssAnon", 0))
         self.peak["main_file"] = max(self.peak["main_file"], st.get("RssFile", 0))
+        point = (round(t, 1), st.get("RssAnon", 0) >> 20, st.get("RssFile", 0) >> 20)
+        if not self.timeline or max(abs(point[1] - self.timeline[-1][1]), abs(point[2] - self.timeline[-1][2])) >= 16:
+            self.timeline.append(point)
         (anon, file), rss = main_pss, st.get("VmRSS", 0)
         for k in kids:
             try:
@@ -150,6 +154,7 @@ def run_stats(data: Path, tokenizer: str, cache: Path, workers: int | None, log_
             "workers_s": round(seen[-1] - seen[0], 1) if seen else 0.0,
             "tokens_per_s_per_core_wall": round(tokens / wall / cores) if tokens else None,
             "tokens_per_cpu_s_workers": round(tokens / worker_cpu) if tokens else None,
+            "main_timeline_mb": sampler.timeline,
             "progress_lines": [line for line in out.splitlines() if line.startswith(("reading ", "tokenizing "))][-4:],
             "tail": out[-1200:]}
 
