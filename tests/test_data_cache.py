@@ -105,3 +105,23 @@ def test_the_same_bytes_at_another_path_get_their_own_cache_and_names(tmp_path, 
     pb = prepare(cfg_for(tmp_path, tiny_model, [b], cutoff_len=256), qwen_tokenizer, progress=False)
     assert pa.path != pb.path and not pb.from_cache
     assert list(pb.report["data_files"]) == [str(b)] and all(str(b) in i.where for i in pb.invalid) and pb.invalid
+
+
+def test_a_big_cache_is_copied_by_save_workers_and_reads_the_same(tmp_path, tiny_model, qwen_tokenizer, monkeypatch):
+    """Over prepare.COPY_IN_WORKERS of Arrow, datasets' spawned save workers write the cache in
+    shards (here every cache, in 1 KB shards): the same rows, sealed, a hit the next time."""
+    import datasets
+
+    from tuneledger import prepare as prep_module
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GOOD) + '{"instruction": "x"}\n')
+    small = prepare(cfg_for(tmp_path / "a", tiny_model, [data], cutoff_len=256), qwen_tokenizer, progress=False)
+    monkeypatch.setattr(prep_module, "COPY_IN_WORKERS", 0)
+    monkeypatch.setattr(prep_module, "SHARD", "1KB")
+    cfg = cfg_for(tmp_path / "b", tiny_model, [data], cutoff_len=256)
+    big = prepare(cfg, qwen_tokenizer, progress=False)
+    assert len(list(big.path.glob("data-*.arrow"))) > 1 and len(list(small.path.glob("data-*.arrow"))) == 1
+    assert datasets.load_from_disk(str(big.path))[:] == datasets.load_from_disk(str(small.path))[:]
+    assert big.report["tokens"] == small.report["tokens"] and [i.as_dict() for i in big.invalid] == [i.as_dict() for i in small.invalid]
+    assert cache.check(big.path, len(qwen_tokenizer))[1] == "" and prepare(cfg, qwen_tokenizer, progress=False).from_cache
