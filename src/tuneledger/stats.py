@@ -2,7 +2,8 @@
 
 Prints a table, writes runs/<run_name>/stats.json (and invalid.jsonl with every record left out)
 and leaves the tokenized dataset in the cache that train and dry-run read.
-Exit codes: 0 ok; 1 no valid record, or the invalid share is above max_invalid_ratio; 2 config.
+Exit codes: 0 ok; 2 bad input (the config, a data file that cannot be read, no valid record, or the
+invalid share above max_invalid_ratio); 1 a check of the model failed.
 """
 
 from __future__ import annotations
