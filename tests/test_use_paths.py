@@ -17,7 +17,7 @@ def test_a_run_name_is_a_folder_under_runs_and_a_path_is_itself(tmp_path, monkey
     assert run_dir("t1") == tmp_path.joinpath("runs", "t1").relative_to(tmp_path)
     with pytest.raises(LoadError, match=r"no run 'nope': neither nope nor runs/nope exists"):
         run_dir("nope")
-    with pytest.raises(LoadError, match=r"^runs/nope does not exist$"):  # never runs/runs/nope
+    with pytest.raises(LoadError, match=r"^no run at runs/nope: it does not exist$"):  # never runs/runs/nope
         run_dir("runs/nope")
 
 

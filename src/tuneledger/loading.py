@@ -56,7 +56,7 @@ def run_dir(run: str) -> Path:
         if named.exists():
             return named
         raise LoadError(f"no run {run!r}: neither {p} nor {named} exists")
-    raise LoadError(f"{p} does not exist")
+    raise LoadError(f"no run at {p}: it does not exist")
 
 
 def run_config(path: Path) -> dict:
