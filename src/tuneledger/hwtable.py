@@ -1,0 +1,171 @@
+"""The hardware `tuneledger whatif` predicts for: one YAML per GPU kind in `hardware/`, or a user's own.
+
+A GPU set is written `<count>x<kind>` (`8x4090-pcie`, `2xH200-sxm`; the kind is case-blind) or is a
+YAML file of the same fields plus `count`. Every figure is a vendor datasheet number, or a
+measurement or an assumption said as such, and each entry names the source of each figure under
+`source:`. Fields and units (FIELDS): dense bf16 tensor TFLOP/s without sparsity, memory in GiB
+(GPU memory is binary: a 24 GB card holds 24,564 MiB), memory bandwidth in GB/s, the link between
+GPUs in GB/s per direction with the share of it a ring all-reduce reaches, the link's latency per
+hop in µs, and the host's speed per kernel launch relative to the machine the ledger was measured
+on (1.0: as fast).
+
+Bad input raises WhatifError naming the file, its line and the field (the verb exits 2 on it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent / "hardware"
+
+# field: (unit and meaning, lower bound exclusive or None for text)
+FIELDS = {
+    "name": ("a short name, e.g. 4090-pcie", None),
+    "gpu": ("the GPU as nvidia-smi names it", None),
+    "bf16_tflops": ("dense bf16 tensor TFLOP/s, no sparsity (datasheet)", 0.0),
+    "memory_gb": ("memory per GPU, GB as the datasheet says it (read as GiB)", 0.0),
+    "memory_gbs": ("memory bandwidth, GB/s (datasheet)", 0.0),
+    "link": ("the link between GPUs, in words", None),
+    "link_gbs": ("link bandwidth between GPUs, GB/s per direction (datasheet)", 0.0),
+    "allreduce_efficiency": ("share of link_gbs a ring all-reduce reaches, (0, 1]", 0.0),
+    "link_latency_us": ("latency per ring hop, µs", -1e-9),
+    "host_speed": ("host speed per kernel launch relative to the measured machine (1.0: as fast)", 0.0),
+}
+YAML_FORM = """\
+  name: my-gpu            # a short name
+  gpu: NVIDIA L40S        # as nvidia-smi names it
+  count: 4                # GPUs in the box
+  bf16_tflops: 362        # dense bf16 tensor TFLOP/s, no sparsity (datasheet)
+  memory_gb: 48           # memory per GPU
+  memory_gbs: 864         # memory bandwidth, GB/s
+  link: PCIe 4.0 x16      # between the GPUs, in words
+  link_gbs: 31.5          # GB/s per direction
+  allreduce_efficiency: 0.5   # share of link_gbs a ring all-reduce reaches
+  link_latency_us: 20     # per hop
+  host_speed: 1.0         # per-launch host speed vs the machine the ledger measured
+  source: {bf16_tflops: "datasheet ...", ...}   # where each figure comes from"""
+
+
+class WhatifError(ValueError):
+    """Bad input to whatif: the message names the file, line and field, and the fix."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU kind and its link; see FIELDS for units. `where` is the file it was read from."""
+
+    name: str
+    gpu: str
+    bf16_tflops: float
+    memory_gb: float
+    memory_gbs: float
+    link: str
+    link_gbs: float
+    allreduce_efficiency: float
+    link_latency_us: float
+    host_speed: float
+    match: tuple[str, ...] = ()
+    source: dict = field(default_factory=dict)
+    where: str = ""
+
+    @property
+    def usable_gib(self) -> float:
+        """What the allocator may use: the card less 1 GiB for the CUDA context, cuBLAS workspace
+        and NCCL buffers (the dry-run's 24 GB rule, ledger.CAP_24GB_GIB = 23 of 24)."""
+        return self.memory_gb - 1.0
+
+
+def _lines(text: str) -> dict[str, int]:
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+
+
+def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | None]:
+    """A Hardware entry (and its `count`, None when absent) from a YAML file. Raises WhatifError
+    naming path:line and the field for a missing, unknown or out-of-range field."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise WhatifError(f"{path}: cannot read the hardware file ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise WhatifError(f"{at}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise WhatifError(f"{path}: a hardware file is a mapping of fields; the form is:\n{YAML_FORM}")
+    lines = _lines(text)
+    at = lambda k: f"{path}:{lines[k]}" if k in lines else str(path)  # noqa: E731
+    known = set(FIELDS) | {"count", "match", "source"}
+    for k in data:
+        if k not in known:
+            raise WhatifError(f"{at(k)}: unknown field {k!r}; the fields are {', '.join(sorted(known))}")
+    values = {}
+    for k, (meaning, low) in FIELDS.items():
+        if k not in data or data[k] is None:
+            raise WhatifError(f"{path}: missing field {k} ({meaning}); the form is:\n{YAML_FORM}")
+        v = data[k]
+        if low is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= low or (k == "allreduce_efficiency" and v > 1):
+                raise WhatifError(f"{at(k)}: {k}: {v!r} is not a number in range ({meaning})")
+            v = float(v)
+        values[k] = str(v) if low is None else v
+    count = data.get("count")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise WhatifError(f"{at('count')}: count: {count!r} is not a whole number of GPUs >= 1")
+    if need_count and count is None:
+        raise WhatifError(f"{path}: missing field count (how many GPUs the box has); the form is:\n{YAML_FORM}")
+    source = data.get("source") or {}
+    if not isinstance(source, dict):
+        raise WhatifError(f"{at('source')}: source: a mapping of field -> where the figure comes from")
+    match = data.get("match") or [values["gpu"]]
+    return Hardware(**values, match=tuple(str(m) for m in match), source=source, where=str(path)), count
+
+
+def builtin() -> dict[str, Hardware]:
+    """The shipped entries by lower-case name (hardware/*.yaml)."""
+    out = {}
+    for p in sorted(HERE.glob("*.yaml")):
+        hw, _ = from_yaml(p)
+        out[hw.name.lower()] = replace(hw, where=f"tuneledger/hardware/{p.name}")
+    return out
+
+
+def known_line() -> str:
+    names = [h.name for h in builtin().values()]
+    return (f"known GPU kinds: {', '.join(names)}, written COUNTxKIND (e.g. 8x{names[0]}, 1x{names[-1]}); "
+            f"or a YAML file of your own:\n{YAML_FORM}")
+
+
+def parse_gpus(spec: str) -> tuple[Hardware, int]:
+    """`8x4090-pcie` or a YAML path -> (Hardware, count). Raises WhatifError listing the known
+    kinds and the YAML form for anything else."""
+    if spec.endswith((".yaml", ".yml")) or Path(spec).is_file():
+        hw, count = from_yaml(Path(spec), need_count=True)
+        return hw, int(count)
+    m = re.fullmatch(r"(\d+)\s*[xX]\s*(.+)", spec.strip())
+    table = builtin()
+    if not m or m.group(2).lower() not in table:
+        raise WhatifError(f"--gpus {spec!r}: unknown GPU set. {known_line()}")
+    count = int(m.group(1))
+    if count < 1:
+        raise WhatifError(f"--gpus {spec!r}: the count must be at least 1")
+    return table[m.group(2).lower()], count
+
+
+def for_ledger_gpu(name: str) -> Hardware | None:
+    """The shipped entry whose `match` fragments appear in a ledger's GPU name ('NVIDIA H200')."""
+    for hw in builtin().values():
+        if any(frag.lower() in name.lower() for frag in hw.match):
+            return hw
+    return None
