@@ -1,0 +1,246 @@
+"""`tuneledger whatif`: the same job on hardware you don't have, from a dry-run measured on hardware
+you do: s/step, tokens/s, memory per GPU, the 24 GB question and the whole command's ETA, each with
+its parts.
+
+    tuneledger whatif DRYRUN.json --gpus 8x4090-pcie [--preset A] [--profile PROFILE] [--steps N]
+                      [--save-steps N] [--against OTHER.json] [--json OUT.json]
+
+--gpus is COUNTxKIND (hardware/*.yaml: 4090-pcie, A100-80g-nvlink, H100-sxm, H200-sxm) or a YAML
+file of the same fields plus `count` (hwtable.YAML_FORM). The cost model and its formulas are
+costmodel.py's docstring: matmul from FLOPs at the measured matmul efficiency, attention, dequant
+and the other memory-bound kernels by bytes and bandwidth, the ring all-reduce of the fp32 LoRA
+gradients, host time per kernel launch, memory from the 4-bit weights, LoRA state and the measured
+activations. The kernel split is --profile (a profile table: `make bench`'s profile-<preset>.md or
+a dry-run log holding one), else the committed one named in costmodel.DEFAULT_PROFILE.
+
+--steps and --save-steps set the run the ETA is for (default: the ledger's own); the start-up parts,
+saves and finish are carried over as measured (host and disk side). --against compares with a
+ledger measured on the target (the 1 -> 2 H200 check in docs/whatif.md).
+
+Exit codes: 0 predicted (presets that do not fit are said, with the one that would); 2 bad input
+(a ledger, a GPU name or a YAML that cannot be used, naming the file, line and field), or the asked
+--preset (or every preset) does not fit the target's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tuneledger import costmodel as cm
+from tuneledger.eta import STARTUP, n_saves
+from tuneledger.hwtable import Hardware, WhatifError, builtin, for_ledger_gpu, from_yaml, known_line, parse_gpus
+from tuneledger.ledger import fmt_h
+
+ROW_FIELDS = ("preset", "micro_batch", "gradient_checkpointing", "packing", "s_per_step", "tokens_per_step", "split",
+              "memory_mib", "model", "config")
+MODEL_FIELDS = ("matmul_params", "trainable_params", "total_params")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("whatif", help="predict s/step, tokens/s, memory and ETA of a dry-run's job on other GPUs",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("ledger", help="a dry-run's dryrun.json")
+    p.add_argument("--gpus", required=True, help="COUNTxKIND (8x4090-pcie, 4xA100-80g-nvlink, 8xH100-sxm, 2xH200-sxm) or a YAML")
+    p.add_argument("--preset", help="one preset of the ledger (default: every measured one)")
+    p.add_argument("--profile", help="a profile table (profile-<preset>.md or a dry-run log holding one)")
+    p.add_argument("--source-gpu", help="the measured GPU's entry when the table does not know it (a kind or a YAML)")
+    p.add_argument("--steps", type=int, help="optimizer steps of the run the ETA is for (default: the ledger's)")
+    p.add_argument("--save-steps", type=int, help="a checkpoint every N steps (default: the ledger's save_steps)")
+    p.add_argument("--against", help="a ledger measured on the target: predicted vs measured, per preset")
+    p.add_argument("--json", help="write the predictions here as JSON")
+    p.set_defaults(func=run)
+
+
+def load_ledger(path: Path) -> dict:
+    """A dry-run ledger, checked for what the model reads. Raises WhatifError naming the field."""
+    try:
+        led = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise WhatifError(f"{path}: cannot read the dry-run ledger ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise WhatifError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a dry-run writes dryrun.json") from None
+    if not isinstance(led, dict) or not isinstance(led.get("presets"), list) or not led["presets"]:
+        raise WhatifError(f"{path}: no 'presets' list of measured rows: not a dry-run ledger (runs/<run>/dryrun.json)")
+    if led.get("backend") == "gloo" or not led.get("gpu"):
+        raise WhatifError(f"{path}: measured on a CPU (gloo processes): there are no GPU timings to scale from")
+    for i, row in enumerate(led["presets"]):
+        missing = [k for k in ROW_FIELDS if k not in row] + [f"model.{k}" for k in MODEL_FIELDS if k not in row.get("model", {})]
+        if missing:
+            raise WhatifError(f"{path}: presets[{i}] (preset {row.get('preset', '?')}) lacks {', '.join(missing)}")
+    return led
+
+
+def source_gpu(led: dict, spec: str | None) -> Hardware:
+    if spec:
+        return builtin()[spec.lower()] if spec.lower() in builtin() else from_yaml(Path(spec))[0]
+    hw = for_ledger_gpu(led["gpu"])
+    if hw is None:
+        raise WhatifError(f"the ledger's GPU {led['gpu']!r} is not in the table; say which it is with --source-gpu. {known_line()}")
+    return hw
+
+
+def profile_rates(args: argparse.Namespace, led: dict, src_hw: Hardware) -> dict:
+    if not args.profile:
+        return cm.rates(cm.DEFAULT_PROFILE)
+    path = Path(args.profile)
+    try:
+        return cm.rates(cm.parse_profile(path.read_text(encoding="utf-8"), str(path), led, src_hw.memory_gbs))
+    except OSError as e:
+        raise WhatifError(f"{path}: cannot read the profile ({e.strerror or e})") from None
+    except ValueError as e:
+        raise WhatifError(str(e)) from None
+
+
+def eta(pred: dict, row: dict, steps: int | None, save_steps: int | None) -> dict:
+    """The whole `train` command on the target: start-up parts, compile and finish as the ledger
+    measured them (host and disk), every step at the predicted s/step, saves at the measured save."""
+    e = row.get("eta") or {}
+    total = steps or e.get("total_steps") or 0
+    every = save_steps or row["config"].get("save_steps") or 0
+    parts = e.get("parts") or {}
+    start = {k: float(parts.get(k) or 0.0) for k in STARTUP} if parts else None
+    saves = n_saves(total, every)
+    save_s = float(row.get("save_s") or e.get("save_s") or 0.0)
+    out = {"total_steps": total, "steps_s": total * pred["s_per_step"], "checkpoints": saves, "save_s": save_s,
+           "saves_s": saves * save_s, "startup_s": sum(start.values()) if start else None, "startup": start,
+           "finish_s": float(parts.get("finish_s") or 0.0) if parts else None}
+    out["total_s"] = out["steps_s"] + out["saves_s"] + (out["startup_s"] or 0.0) + (out["finish_s"] or 0.0)
+    return out
+
+
+def _g(b: float) -> str:
+    return f"{b / cm.GIB:.1f}"
+
+
+def describe(pred: dict, src: dict, hw: Hardware, e: dict) -> list[str]:
+    """The lines of one prediction: every part, so the reader sees why."""
+    n, p, st, g = pred["gpus"], pred, pred["step"], pred["gpu"]
+    ar, mem = pred["allreduce"], pred["memory"]
+    lines = [f"preset {p['preset']}: micro-batch {p['micro_batch']} x {n} GPU(s) x accumulation {p['ga']} = global batch "
+             f"{src['G']}; gradient checkpointing {'on' if p['gc'] else 'off'}; packing {'on' if p['packing'] else 'off'}",
+             f"  {p['s_per_step']:.3f} s/step = {p['ga']} micro-batch(es) x {p['micro_s']:.3f} + all-reduce {st['allreduce']:.3f} "
+             f"+ sync wait {st['sync_wait']:.3f} + optimizer {st['optimizer']:.3f} + data wait {st['data_wait']:.3f}",
+             f"  {p['tokens_per_s']:,.0f} tokens/s ({p['tokens_per_s_per_gpu']:,.0f} per GPU) over {src['row']['tokens_per_step']:,.0f} "
+             f"real tokens a step"]
+    host = (f"host {p['host_s']:.3f}" if p["host_s"] is not None else "host unknown (no host-bound row to price a launch)")
+    lines.append(f"  micro-batch {p['micro_s']:.3f} s = max(GPU {p['gpu_s']:.3f}, {host}): {p['bound']}-bound")
+    flops = p["tokens_processed"] * cm.flops_per_token(src["params"]["N"], src["params"]["P"], p["gc"])
+    lines.append(f"    GPU = matmul {g['matmul']:.3f} ({flops:.3g} FLOP at {p['matmul_tflops']:.1f} TFLOP/s) + attention "
+                 f"{g['attention']:.3f} + dequant {g['dequant']:.3f} + other memory-bound {g['other']:.3f}"
+                 f" ({p['tokens_processed']:,.0f} tokens processed, {p['tokens_real']:,.0f} real)")
+    if p["host_s"] is not None:
+        lines.append(f"    host = {p['launches']:,.0f} launches x {p['launch_cost_s'] * 1e6:.1f} µs / host_speed {hw.host_speed:g}")
+    if n > 1:
+        lines.append(f"  all-reduce {ar['s']:.3f} = ring 2x{n - 1}/{n} x {4 * src['params']['P'] / 1e6:,.0f} MB / ({hw.link_gbs:g} GB/s x "
+                     f"{hw.allreduce_efficiency:g}) {ar['bandwidth_s']:.3f} + {ar['buckets']} buckets x {2 * (n - 1)} hops x "
+                     f"{hw.link_latency_us:g} µs {ar['latency_s']:.3f}; not overlapped with the backward")
+    fit = ("fits" if p["fits"] else "DOES NOT FIT") + f" ({p['usable_gib']:g} GiB usable of {hw.memory_gb:g})"
+    parts = " + ".join(f"{k.replace('_', ' ')} {_g(v)}" for k, v in mem.items()
+                       if k not in ("activations_measured", "measured_peak", "total"))
+    lines.append(f"  memory per GPU {_g(mem['total'])} GiB allocated at peak = {parts}; {fit}; the card also holds "
+                 f"~1 GiB outside the allocator (CUDA context, cuBLAS, NCCL)")
+    start = (f"start-up {fmt_h(e['startup_s'])} + " if e["startup_s"] is not None else "")
+    tail = "" if e["startup_s"] is not None else " (start-up: not in this ledger, written before the ETA had parts)"
+    lines.append(f"  ETA of `train`, {e['total_steps']:,} steps: {fmt_h(e['total_s'])} = {start}{e['total_steps']:,} x "
+                 f"{p['s_per_step']:.3f} s + {e['checkpoints']} saves x {e['save_s']:.1f} s"
+                 + (f" + finish {e['finish_s']:.1f} s" if e["finish_s"] is not None else "") + tail)
+    return lines
+
+
+def against(preds: list[dict], path: Path) -> list[str]:
+    """Predicted beside measured for each preset both have: (predicted - measured) / measured."""
+    led = load_ledger(path)
+    rows = {r["preset"]: r for r in led["presets"]}
+    out = [f"against {path} ({led.get('world_size')} x {led.get('gpu')}): (predicted - measured) / measured",
+           "| preset | s/step pred | meas | error | tokens/s pred | meas | error | GiB/GPU pred | meas | error |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in preds:
+        r = rows.get(p["preset"])
+        if r is None:
+            continue
+        mem = max(m["peak_allocated"] for m in r["memory_mib"]) * 2**20
+        err = lambda a, b: f"{(a - b) / b * 100:+.1f}%"  # noqa: E731
+        out.append(f"| {p['preset']} | {p['s_per_step']:.3f} | {r['s_per_step']:.3f} | {err(p['s_per_step'], r['s_per_step'])} "
+                   f"| {p['tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | {err(p['tokens_per_s'], r['tokens_per_s'])} "
+                   f"| {_g(p['memory']['total'])} | {_g(mem)} | {err(p['memory']['total'], mem)} |")
+        p["against"] = {"s_per_step": r["s_per_step"], "tokens_per_s": r["tokens_per_s"], "memory": mem}
+    return out
+
+
+def predict_all(led: dict, args: argparse.Namespace, hw: Hardware, n: int) -> tuple[list[dict], list[dict], dict]:
+    """Every asked row: (sources, predictions, the context printed at the top)."""
+    src_hw = source_gpu(led, args.source_gpu)
+    r = profile_rates(args, led, src_hw)
+    sources = [cm.analyze(led, row, r, src_hw.memory_gbs) for row in led["presets"]]
+    cost = cm.ledger_launch_cost(sources)
+    cfg = led["presets"][0]["config"]
+    quant = cfg.get("quantization_type", "nf4") if cfg.get("quantization_bit") else None
+    preds = []
+    for s in sources:
+        try:
+            preds.append(cm.predict(s, src_hw, hw, n, cost, quant, bool(cfg.get("double_quantization", True))))
+        except ValueError as e:
+            raise WhatifError(f"--gpus {args.gpus}: preset {s['preset']}: {e}") from None
+    return sources, preds, {"src_hw": src_hw, "rates": r, "launch_cost_s": cost}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        hw, n = parse_gpus(args.gpus)
+        path = Path(args.ledger)
+        led = load_ledger(path)
+        if args.preset and args.preset.upper() not in {r["preset"] for r in led["presets"]}:
+            raise WhatifError(f"{path}: no measured preset {args.preset}; it holds "
+                              f"{', '.join(r['preset'] for r in led['presets'])}")
+        sources, preds, ctx = predict_all(led, args, hw, n)
+    except WhatifError as e:
+        print(f"tuneledger whatif: {e}", file=sys.stderr)
+        return 2
+    r, src_hw = ctx["rates"], ctx["src_hw"]
+    share = sources[0]["peak_measured"] / src_hw.bf16_tflops
+    print(f"whatif: {path}, measured on {led.get('world_size')} x {led['gpu']} ({led.get('date', '?')[:10]}"
+          f"{', SYNTHETIC model' if led.get('synthetic') else ''})")
+    print(f"  -> {n} x {hw.gpu} ({hw.name}: {hw.bf16_tflops:g} TFLOP/s dense bf16, {hw.memory_gb:g} GB, {hw.memory_gbs:,.0f} GB/s; "
+          f"{hw.link}, {hw.link_gbs:g} GB/s x {hw.allreduce_efficiency:g}; figures and sources: {hw.where})")
+    print(f"kernel split: {r['where']}; matmul at {r['e']:.1%} of the measured bf16 peak, {share:.1%} of the datasheet's "
+          f"on the measured GPU, so {r['e'] * share:.1%} of the datasheet's on the target")
+    hb = [s["preset"] for s in sources if s["host_bound"]]
+    if ctx["launch_cost_s"]:
+        print(f"host: {ctx['launch_cost_s'] * 1e6:.1f} µs per kernel launch (median of this ledger's host-bound presets "
+              f"{', '.join(hb)}: their micro-batch time / launches), / host_speed {hw.host_speed:g} on the target")
+    wanted = [p for p in preds if not args.preset or p["preset"] == args.preset.upper()]
+    rows = {s["preset"]: s for s in sources}
+    for p in wanted:
+        s = rows[p["preset"]]
+        p["eta"] = eta(p, s["row"], args.steps, args.save_steps)
+        print()
+        print("\n".join(describe(p, s, hw, p["eta"])))
+    fitting = sorted((p for p in preds if p["fits"]), key=lambda p: p["s_per_step"])
+    print()
+    for p in wanted:
+        if not p["fits"]:
+            alt = (f"preset {fitting[0]['preset']} would fit ({_g(fitting[0]['memory']['total'])} GiB, "
+                   f"{fitting[0]['s_per_step']:.3f} s/step)" if fitting else "no measured preset fits")
+            print(f"preset {p['preset']} does not fit {n} x {hw.gpu}: {_g(p['memory']['total'])} GiB per GPU against "
+                  f"{hw.usable_gib:g} GiB usable; {alt}")
+    if any(not p["fits"] for p in wanted):
+        print()
+    print(f" preset  GPUs  mb x acc  s/step  tokens/s  bound  GiB/GPU  fits  ETA")
+    for p in wanted:
+        print(f" {p['preset']:>6}  {n:>4}  {p['micro_batch']:>2} x {p['ga']:<3}  {p['s_per_step']:6.3f}  {p['tokens_per_s']:8,.0f}  "
+              f"{p['bound']:>5}  {_g(p['memory']['total']):>7}  {'yes' if p['fits'] else 'NO':>4}  {fmt_h(p['eta']['total_s'])}")
+    if args.against:
+        try:
+            print("\n" + "\n".join(against(wanted, Path(args.against))))
+        except WhatifError as e:
+            print(f"tuneledger whatif: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ledger": str(path), "gpus": args.gpus, "hardware": hw.name, "count": n,
+                                               "kernel_split": r, "predictions": wanted}, indent=1, default=str))
+    if (args.preset and not wanted[0]["fits"]) or not fitting:
+        return 2
+    return 0
