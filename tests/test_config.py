@@ -81,7 +81,7 @@ def test_bad_values_name_the_key():
 def test_from_cli_takes_file_and_overrides():
     cfg = from_cli([str(REF), "preset=B", "dataset=a.json,b.jsonl"])
     assert cfg.preset == "B" and cfg.dataset == ["a.json", "b.jsonl"]
-    assert set(PRESETS) == {"A", "B", "C", "D"}
+    assert set(PRESETS) == {"A", "B", "C", "D", "F"}
 
 
 def test_cli_takes_file_and_overrides_before_and_after_options(monkeypatch):
@@ -122,7 +122,7 @@ def test_an_unknown_preset_is_named_with_the_choices_a_user_types(capsys):
 
     from tuneledger.config_load import add_preset_option
 
-    for allow_all, tail in ((True, "choose one of A, B, C, D or all"), (False, "choose one of A, B, C, D")):
+    for allow_all, tail in ((True, "choose one of A, B, C, D, F or all"), (False, "choose one of A, B, C, D, F")):
         p = argparse.ArgumentParser()
         add_preset_option(p, allow_all=allow_all)
         with pytest.raises(SystemExit):

@@ -24,15 +24,22 @@ class ConfigError(ValueError):
     """A config file, preset or override is wrong. The message names the file/key and the fix."""
 
 
-# The field report's presets (seeds/000) plus our D. GC = gradient checkpointing.
+# The field report's presets (seeds/000) plus our D and F. GC = gradient checkpointing.
 # D's micro-batch is the largest that fit an H200 (8); `resolve()` caps it at global / world so the
-# global batch stays fixed at any world size.
+# global batch stays fixed at any world size. F is B sharded: FSDP2 over the (4-bit) base, for a
+# model whose one whole copy per GPU (DDP) does not fit (docs/presets.md).
 PRESETS: dict[str, dict[str, Any]] = {
     "A": {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "packing": False},
     "B": {"per_device_train_batch_size": 2, "gradient_checkpointing": True, "packing": False},
     "C": {"per_device_train_batch_size": 2, "gradient_checkpointing": False, "packing": False},
     "D": {"per_device_train_batch_size": 8, "gradient_checkpointing": False, "packing": True},
+    "F": {"per_device_train_batch_size": 2, "gradient_checkpointing": True, "packing": False, "fsdp": "full_shard auto_wrap"},
 }
+# The one-whole-copy-per-GPU presets: what `PRESET=all` measures (F joins when none of them fits).
+DDP_PRESETS = ("A", "B", "C", "D")
+# fsdp_config keys read (LLaMA-Factory's and transformers' names, with or without the fsdp_ prefix).
+FSDP_CONFIG_KEYS = ("version", "reshard_after_forward", "cpu_ram_efficient_loading", "offload_params", "cpu_offload",
+                    "activation_checkpointing", "transformer_layer_cls_to_wrap", "state_dict_type", "auto_wrap_policy")
 
 
 class JobConfig(BaseModel):
@@ -76,7 +83,7 @@ class JobConfig(BaseModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target: str = "all"  # "all" = every linear projection but lm_head
     # -- batch
-    preset: Literal["A", "B", "C", "D"] | None = None
+    preset: Literal["A", "B", "C", "D", "F"] | None = None
     # Unset with gradient_accumulation_steps set (a LLaMA-Factory config): micro-batch x accumulation
     # x world size, as LLaMA-Factory computes it. Unset with neither: 16.
     global_batch_size: int = 16
@@ -84,6 +91,11 @@ class JobConfig(BaseModel):
     gradient_accumulation_steps: int | None = None  # derived from global_batch_size when that is set
     gradient_checkpointing: bool = True
     packing: bool = False
+    # -- sharding (preset F): LLaMA-Factory's and transformers' keys. fsdp "full_shard auto_wrap"
+    # (or true) shards the base over the ranks with FSDP2 (accelerate's plugin, torch >= 2.6); unset
+    # or false: pure DDP, one whole copy per rank. fsdp_config: see FSDP_CONFIG_KEYS and docs/presets.md.
+    fsdp: bool | str | None = None
+    fsdp_config: dict[str, Any] | None = None
     # -- optimisation
     learning_rate: float = Field(1e-4, gt=0)
     lr_scheduler_type: str = "cosine"
@@ -177,6 +189,46 @@ class JobConfig(BaseModel):
                              f"({self.dryrun_steps}): nothing would be left to measure")
         return self
 
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_options(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = " ".join(map(str, v))
+        if isinstance(v, str):
+            words = v.split()
+            if not words or words == ["false"]:
+                return None
+            bad = [w for w in words if w not in ("full_shard", "shard_grad_op", "auto_wrap", "offload", "true")]
+            if bad:
+                raise ValueError(f"unknown option(s) {bad}: FSDP2 takes full_shard or shard_grad_op, with auto_wrap "
+                                 "and offload (LLaMA-Factory's form, e.g. \"full_shard auto_wrap\")")
+            return " ".join(words)
+        return v or None
+
+    @field_validator("fsdp_config", mode="before")
+    @classmethod
+    def _fsdp_config_keys(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError("must be a mapping of FSDP settings (a JSON file path is not read: put the keys here)")
+        out = {}
+        for k, val in v.items():
+            key = str(k).removeprefix("fsdp_")
+            if key not in FSDP_CONFIG_KEYS and key not in ("min_num_params", "sync_module_states", "use_orig_params",
+                                                              "forward_prefetch", "backward_prefetch", "limit_all_gathers"):
+                raise ValueError(f"unknown key {k!r}; known: {', '.join(FSDP_CONFIG_KEYS)}")
+            out[key] = val
+        if str(out.get("version", 2)) != "2":
+            raise ValueError(f"version {out['version']}: preset F runs FSDP2 only (FSDP1 is deprecated in transformers "
+                             "and needs a GPU even to start); set fsdp_config.version: 2 or remove it")
+        return out
+
+    @property
+    def sharded(self) -> bool:
+        """True when the base is sharded over the ranks (fsdp set: preset F), False for pure DDP."""
+        return bool(self.fsdp)
+
     @model_validator(mode="after")
     def _one_eval_source(self) -> "JobConfig":
         if self.val_size and self.eval_dataset:
@@ -255,4 +307,5 @@ def describe(cfg: JobConfig, world_size: int) -> str:
         f"packing {'on' if cfg.packing else 'off'}; cutoff_len {cfg.cutoff_len}; "
         f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha} dropout={cfg.lora_dropout}; "
         f"{'QLoRA 4-bit ' + cfg.quantization_type.upper() if cfg.quantization_bit else 'LoRA on an unquantized base'}"
+        f"{'; FSDP2: the base sharded over ' + str(world_size) + ' rank(s)' if cfg.sharded else ''}"
     )

@@ -26,7 +26,7 @@ from typing import Any
 
 from tuneledger import eta as eta_
 from tuneledger import ledger
-from tuneledger.config import PRESETS, ConfigError, JobConfig, describe, resolve
+from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
 from tuneledger.launch import processes, run_workers, used_gpus
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     check_data(base)  # and a dataset that is not there
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
-    names = list(PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
+    names = list(DDP_PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
     planned = plan(args.items, names, world)
     errors = [cfg for _, cfg in planned if isinstance(cfg, ConfigError)]
     if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone

@@ -147,6 +147,12 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # bf16 is the GPU's compute type. CPUs without native bf16 (no AVX512-BF16/AMX) emulate it: a
     # bf16 matmul ran at 1.6 GFLOP/s against fp32's 64 on CI's 2-core EPYC, so a CPU run is fp32.
     dtype = torch.bfloat16 if cfg.bf16 and device.type == "cuda" else torch.float32
+    wanted = {k: getattr(cfg, k) for k in ("enable_liger_kernel", "fused_lora", "torch_compile")}
+    if cfg.sharded:  # preset F (sharding.py): FSDP2 needs a newer torch, and some levers are not proven there
+        from tuneledger import sharding
+
+        _lever(sharding.check_torch)
+        wanted = _lever(sharding.lever_settings, cfg)
     attn, attn_why = _lever(speed.pick_attention, cfg.flash_attn, cfg.packing, device.type)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
     if cfg.quantization_bit == 4:
@@ -156,17 +162,25 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=cfg.quantization_type,
-            bnb_4bit_use_double_quant=cfg.double_quantization, bnb_4bit_compute_dtype=dtype)
+            bnb_4bit_use_double_quant=cfg.double_quantization, bnb_4bit_compute_dtype=dtype,
+            # F: the packed 4-bit weights stored as a float tensor, which FSDP2 can shard
+            **({"bnb_4bit_quant_storage": dtype} if cfg.sharded else {}))
     # One whole copy per rank on this rank's device: pure DDP.
     kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
     model.config.use_cache = False
-    levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, cfg.enable_liger_kernel, device.type,
-                                                     speed.compile_planned(cfg.torch_compile, device.type))}
+    levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, wanted["enable_liger_kernel"], device.type,
+                                                     speed.compile_planned(wanted["torch_compile"], device.type))}
+    layer_classes = sorted(set(getattr(model, "_no_split_modules", None) or []))
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters()) if layers else 0
 
     for p in model.parameters():
         p.requires_grad_(False)
-    if cfg.gradient_checkpointing:
+    # F: FSDP's activation checkpointing wraps each layer instead (the Trainer's own would gather
+    # every layer's weights a second time in backward).
+    if cfg.gradient_checkpointing and not cfg.sharded:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Checkpointed blocks need an input that requires grad to have a backward path through frozen
     # embeddings; peft's k-bit preparation does the same.
@@ -181,8 +195,8 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    levers["fused_lora"] = _lever(speed.fuse_lora, model, cfg.fused_lora)
-    levers["compile"] = _lever(speed.compile_layers, model, cfg.torch_compile, device.type,
+    levers["fused_lora"] = _lever(speed.fuse_lora, model, wanted["fused_lora"])
+    levers["compile"] = _lever(speed.compile_layers, model, wanted["torch_compile"], device.type,
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit))
     levers["lora_dropout"] = cfg.lora_dropout
     if cfg.lora_dropout:
@@ -202,5 +216,12 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
         # N of the MFU formula: every weight a token passes through in matmuls (lm_head included,
         # the embedding lookup not).
         "matmul_params": int(total - trainable - model.config.vocab_size * model.config.hidden_size),
+        # The base as stored on the device (4-bit packed or bf16) and one decoder layer of it, in
+        # MiB: F's fit formula (sharding.predicted_peak_gib). layer_classes: F's FSDP units.
+        "weights_mib": round(weights_bytes / 2**20, 1), "layer_mib": round(layer_bytes / 2**20, 1),
+        "layer_classes": layer_classes,
     }
+    if cfg.sharded:
+        levers["sharding"] = "FSDP2 over the ranks (" + "; ".join(
+            f"{k} off: {why}" for k, why in sharding.UNPROVEN.items()) + ")"
     return model, info

@@ -156,8 +156,25 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
     arch = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
     lines = [f"model: {cfg.model_name_or_path} ({arch}){' SYNTHETIC (random weights)' if is_synthetic(config) else ''}"]
     lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
-              check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_disk(cfg, config)]
+              check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_sharding(cfg),
+              check_disk(cfg, config)]
     return lines
+
+
+def check_sharding(cfg: JobConfig) -> str:
+    """Preset F (fsdp) can run with this torch and these levers (sharding.py). Raises PreflightError."""
+    if not cfg.sharded:
+        return "parallelism: DDP (one whole copy of the model per rank)"
+    from tuneledger import sharding
+
+    try:
+        sharding.check_torch()
+        sharding.lever_settings(cfg)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+    import torch
+
+    return f"parallelism: FSDP2 (fsdp: {cfg.fsdp}), torch {torch.__version__}: the model sharded over the ranks"
 
 
 def check_levers(cfg: JobConfig, cuda: bool) -> str:

@@ -61,10 +61,58 @@ class LedgerTrainer(Trainer):
         self.loss_sum += loss.detach().float()
         return loss
 
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if self.args.fsdp:  # on a GPU accelerate has turned the plugin on itself
+            from tuneledger import sharding
+
+            sharding.enable_on_cpu(self)
+
     # Optimizer, scheduler and RNG state: loaded so that no code in them can run (safeload.py).
     def _load_optimizer_and_scheduler(self, checkpoint):
         with checkpoint_loading():
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            if not (self.is_fsdp_enabled and checkpoint):
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            # F reads DDP's layout (sharding.py), so a run resumes from either.
+            from tuneledger import sharding
+
+            ckpt = Path(checkpoint)
+            if not (ckpt / "optimizer.pt").is_file():
+                return None
+            sharding.load_optimizer(self.model, self.optimizer, torch.load(ckpt / "optimizer.pt", map_location="cpu"))
+            self.lr_scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", map_location="cpu"))
+            return None
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if not self.is_fsdp_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from tuneledger import sharding
+
+        sharding.save_optimizer(self.model, self.optimizer, Path(output_dir) / "optimizer.pt", self.args.should_save)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if not self.is_fsdp_enabled:
+            return super().save_model(output_dir, _internal_call)
+        # F: the adapter only, gathered on rank 0 (accelerate's full state dict would gather the
+        # whole base to rank 0's memory, and writes the adapter empty for a sharded peft model).
+        from tuneledger import sharding
+
+        out = Path(output_dir or self.args.output_dir)
+        state = sharding.adapter_state(self.model, self.args.should_save)
+        if self.args.should_save:
+            sharding.save_adapter(self.model, state, out)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(out)
+            torch.save(self.args, out / "training_args.bin")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from tuneledger import sharding
+
+        sharding.load_adapter(model if model is not None else self.model, Path(resume_from_checkpoint))
 
     def _load_rng_state(self, checkpoint):
         with checkpoint_loading():
@@ -178,10 +226,13 @@ def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> An
 
 
 def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str, save: bool = True,
-                  evaluate: bool = False) -> TrainingArguments:
+                  evaluate: bool = False, layer_classes: list[str] | None = None) -> TrainingArguments:
     """transformers' TrainingArguments of a job. With `evaluate` (there is eval data and it is a
     train run), evaluation every eval_steps (default save_steps) or epoch, and the best checkpoint
-    tracked by eval loss; the dry-run times one evaluation itself (fit)."""
+    tracked by eval loss; the dry-run times one evaluation itself (fit). A sharded job (preset F)
+    gets FSDP2 over `layer_classes`, the decoder layers (sharding.fsdp_arguments)."""
+    from tuneledger.sharding import fsdp_arguments
+
     dryrun = mode == "dryrun"
     evaluate = evaluate and not dryrun
     # transformers 5 takes the TensorBoard directory from the environment only.
@@ -225,4 +276,5 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         per_device_eval_batch_size=cfg.per_device_eval_batch_size,
         metric_for_best_model="eval_loss" if evaluate else None,
         greater_is_better=False,
+        **fsdp_arguments(cfg, layer_classes or []),
     )

@@ -103,7 +103,12 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     guard = NonFiniteGuard()
     clock = Clock(cuda)
     timer = StepTimer(clock, device)
-    args = training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True), evaluate=eval_ds is not None)
+    args = training_args(cfg, mode, out_dir, cuda, report_to, job.get("save", True), evaluate=eval_ds is not None,
+                         layer_classes=info["layer_classes"])
+    if cfg.sharded:
+        from tuneledger.sharding import describe as sharding_line
+
+        info["levers"]["sharding"] = sharding_line(args) + "; " + info["levers"].get("sharding", "")
     trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer, info["attention"]), processing_class=tokenizer,
                             callbacks=[timer, *([stopper] if stopper else []), guard, seal],

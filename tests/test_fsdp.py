@@ -1,0 +1,158 @@
+"""Preset F (FSDP2 over the base, sharding.py) against DDP, on CPU over gloo.
+
+The 2-rank runs need torch >= 2.6 (accelerate's FSDP2 plugin): they run in .venv-quant (torch
+2.13, `make test-quant`; CI runs it). In the trainer's venv (torch 2.5.1, the pinned image's) they
+skip, and F is refused before any weights load, which the fast tier checks.
+
+Tolerance. Both runs are fp32 on the CPU with the same seed, data order and batch shape (micro-
+batch 2 x 2 ranks, accumulation 1); F reduces the gradients by reduce-scatter where DDP all-reduces,
+so the sums may run in another order: about 1e-7 relative per step. 20 steps of Adam at lr 1e-4 on
+losses near 12 stay within LOSS_ATOL = 1e-4 of each other (measured: identical to the last bit on
+2 gloo ranks, torch 2.13). A resumed run must match the uninterrupted one within the same bound:
+the adapter, the Adam state, the scheduler and each rank's RNG come back in either direction.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import procs
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_ATOL = 1e-4
+HAVE_FSDP2 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+needs_fsdp2 = pytest.mark.skipif(not HAVE_FSDP2, reason=f"FSDP2 through accelerate needs torch >= 2.6 (this venv has "
+                                 f"{torch.__version__}): `make test-quant` runs these in .venv-quant (torch 2.13)")
+TRAINER_PY = Path(os.environ.get("TUNELEDGER_TRAINER_PYTHON", ROOT / ".venv" / "bin" / "python"))
+
+
+def tl(*args, env=None, python=sys.executable):
+    return procs.run([str(python), "-m", "tuneledger", *args], env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def job(tmp_path, model, name, *extra):
+    # 80 records = 20 steps of global batch 4 (micro-batch 2 x 2 ranks); no dropout: the masks would
+    # be drawn in another order by another wrapper, and the comparison is of the arithmetic.
+    return [str(ROOT / "configs" / "tiny.yaml"), f"model_name_or_path={model}", f"output_dir={tmp_path / name}",
+            f"cache_dir={tmp_path / 'cache'}", "max_samples=80", "cutoff_len=128", "global_batch_size=4",
+            "lora_dropout=0", "logging_steps=1", "save_steps=5", "report_to=none", "plot_loss=false", *extra]
+
+
+def losses(run: Path) -> dict[int, float]:
+    last = max(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def train(tmp_path, model, name, preset, *extra, env=None):
+    p = tl("train", *job(tmp_path, model, name, f"preset={preset}", *extra), "--nproc", "2", "--cpu", env=env)
+    return p
+
+
+def test_f_is_refused_before_any_weights_load_on_an_old_torch(tmp_path, tiny_model, monkeypatch):
+    from tuneledger import sharding
+    from tuneledger.config_load import load_config
+    from tuneledger.model_location import PreflightError
+    from tuneledger.preflight_checks import check_sharding
+
+    with pytest.raises(ValueError, match=r"preset F \(fsdp\) needs torch >= 2\.6 .*torch 2\.5\.1\+cu121 .*presets A-D"):
+        sharding.check_torch("2.5.1+cu121")
+    sharding.check_torch("2.6.0")
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", {"model_name_or_path": str(tiny_model), "preset": "F"})
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")
+    with pytest.raises(PreflightError, match="needs torch >= 2.6"):
+        check_sharding(cfg)
+    if not HAVE_FSDP2:  # the real command, in the pinned torch: one line, before torchrun starts
+        p = tl("train", *job(tmp_path, tiny_model, "old", "preset=F"), "--nproc", "2", "--cpu")
+        assert p.returncode == 1 and "needs torch >= 2.6" in p.stderr and "launch:" not in p.stdout, p.stderr[-2000:]
+
+
+def test_f_settings_and_refusals():
+    from tuneledger import sharding
+    from tuneledger.config import ConfigError, JobConfig
+    from tuneledger.config_load import load_config
+    from tuneledger.llamafactory import classify
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", {"preset": "F"})
+    assert cfg.sharded and cfg.fsdp == "full_shard auto_wrap" and cfg.per_device_train_batch_size == 2
+    args = sharding.fsdp_arguments(cfg, ["Qwen2DecoderLayer"])
+    assert args["fsdp"] is True and args["fsdp_config"] == {
+        "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        "reshard_after_forward": True, "activation_checkpointing": True, "state_dict_type": "FULL_STATE_DICT"}
+    # LLaMA-Factory's and transformers' forms: the fsdp_ prefix, shard_grad_op, offload
+    lf = load_config(ROOT / "configs" / "tiny.yaml", {"fsdp": "shard_grad_op auto_wrap offload",
+                                                      "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": ["X"]}})
+    conf = sharding.fsdp_arguments(lf, ["Qwen2DecoderLayer"])["fsdp_config"]
+    assert conf["reshard_after_forward"] is False and conf["cpu_offload"] is True and conf["transformer_layer_cls_to_wrap"] == ["X"]
+    assert sharding.fsdp_arguments(load_config(ROOT / "configs" / "tiny.yaml", {"preset": "B"}), []) == {}
+    assert not JobConfig(model_name_or_path="m", dataset=["d"], fsdp="false").sharded
+    for bad, msg in (({"fsdp": "hybrid_shard"}, "unknown option"), ({"fsdp": "full_shard", "fsdp_config": {"version": 1}},
+                                                                      "FSDP2 only"),
+                     ({"fsdp": "full_shard", "fsdp_config": {"sync_everything": True}}, "unknown key")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(ROOT / "configs" / "tiny.yaml", bad)
+    with pytest.raises(ValueError, match="enable_liger_kernel: true is not supported with fsdp"):
+        sharding.lever_settings(load_config(ROOT / "configs" / "tiny.yaml", {"preset": "F", "enable_liger_kernel": True}))
+    v = classify("deepspeed", "examples/deepspeed/ds_z3_config.json")
+    assert v.status == "refused" and "ZeRO and 4-bit (QLoRA) weights do not mix" in v.text and "preset F" in v.text
+
+
+def test_the_fit_formula():
+    from tuneledger.sharding import predicted_peak_gib
+
+    # one rank: everything as measured; 4 ranks: a quarter of the state, plus the gathered layers
+    assert predicted_peak_gib(20.0, 1.0, 3.0, 0.5, 1) == pytest.approx(24.0)
+    assert predicted_peak_gib(20.0, 1.0, 3.0, 0.5, 4) == pytest.approx(21 / 4 + 3 + 2 * 0.5 * 3 / 4)
+    with pytest.raises(ValueError):
+        predicted_peak_gib(1, 1, 1, 1, 0)
+
+
+@needs_fsdp2
+@pytest.mark.e2e
+def test_f_matches_ddp_and_resumes_ddp_f_ddp(tmp_path, tiny_model):
+    ddp = train(tmp_path, tiny_model, "ddp", "B")
+    assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
+    f = train(tmp_path, tiny_model, "f", "F")
+    assert f.returncode == 0, f.stdout[-3000:] + f.stderr[-3000:]
+    assert "FSDP2: the base sharded over 2 rank(s)" in f.stdout
+    led = json.loads((tmp_path / "f" / "train.json").read_text())
+    assert led["model"]["levers"]["sharding"].startswith("FSDP2 (accelerate's plugin): units Qwen2DecoderLayer")
+    want, got = losses(tmp_path / "ddp"), losses(tmp_path / "f")
+    assert sorted(want) == sorted(got) == list(range(1, 21))
+    worst = max(abs(want[s] - got[s]) for s in want)
+    assert worst <= LOSS_ATOL, (worst, want, got)
+
+    # The checkpoints are the same files: the adapter only, gathered on rank 0, same keys and shapes,
+    # optimizer state in DDP's layout (no FSDP files).
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(tmp_path / r / "checkpoint-20" / "adapter_model.safetensors")) for r in ("ddp", "f"))
+    assert a.keys() == b.keys() and len(a) == 28 and all(a[k].shape == b[k].shape for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    files = {p.name for p in (tmp_path / "f" / "checkpoint-20").iterdir()}
+    assert {"optimizer.pt", "scheduler.pt", "adapter_model.safetensors"} <= files
+    assert not any("fsdp" in n for n in files) and "optimizer.bin" not in files
+
+    # Resume DDP -> F -> DDP at the same global batch: killed after step 5 (DDP) and step 10 (F).
+    crashed = train(tmp_path, tiny_model, "chain", "B", env={"TUNELEDGER_CRASH_AFTER_STEP": "5"})
+    assert crashed.returncode != 0 and (tmp_path / "chain" / "checkpoint-5").is_dir()
+    as_f = train(tmp_path, tiny_model, "chain", "F", env={"TUNELEDGER_CRASH_AFTER_STEP": "10"})
+    assert as_f.returncode != 0 and (tmp_path / "chain" / "checkpoint-10").is_dir(), as_f.stderr[-3000:]
+    assert "checkpoint-5" in as_f.stdout + as_f.stderr
+    back = train(tmp_path, tiny_model, "chain", "B")
+    assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
+    assert "checkpoint-10" in back.stdout + back.stderr
+    chain = losses(tmp_path / "chain")
+    assert sorted(chain) == list(range(1, 21))
+    worst = max(abs(want[s] - chain[s]) for s in want)
+    assert worst <= LOSS_ATOL, (worst, want, chain)
+
+    # export reads F's checkpoint unchanged, in the trainer's own venv (as `make export` runs it).
+    if TRAINER_PY.is_file():
+        p = tl("export", str(tmp_path / "f"), "--out", str(tmp_path / "export"), python=TRAINER_PY)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert (tmp_path / "export" / "config.json").is_file()
