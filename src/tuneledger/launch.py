@@ -43,6 +43,7 @@ class FailureReader:
     def __init__(self) -> None:
         self.killed: dict[str, None] = {}
         self.errors: dict[str, None] = {}
+        self.signals: set[str] = set()  # the signals the killed ranks died of (SIGKILL, SIGTERM, ...)
         self._rank = "?"
 
     def feed(self, line: str) -> None:
@@ -54,6 +55,7 @@ class FailureReader:
             self._rank = rank.group(1)
         if sig:
             num, name = sig.groups()
+            self.signals.add(name)
             self.killed[f"rank {self._rank} was killed by {name} (signal {num}): {self.WHY.get(name, 'a signal')}; "
                         "the other ranks' errors follow from it"] = None
 
@@ -111,16 +113,69 @@ def _child_pids(pid: int) -> list[int]:
 
 def _die_with_parent() -> None:
     """In the child before exec: the kernel sends SIGTERM when the launcher dies (PR_SET_PDEATHSIG),
-    so a kill -9 of `tuneledger train` does not leave torchrun and its ranks training as orphans."""
+    so a kill -9 of `tuneledger train` does not leave torchrun and its ranks training as orphans.
+    The stop signals the launcher blocks while it starts torchrun (run_workers) are unblocked here:
+    a blocked mask would pass through exec to torchrun and its ranks."""
     import ctypes
 
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+
+
+# The signals a training stops at: a scheduler's SIGTERM, a terminal's Ctrl-C, a closed terminal's SIGHUP.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class StoppedBeforeStart(BaseException):
+    """A stop signal reached the launcher before any rank started (BeforeRanks). A BaseException, as
+    KeyboardInterrupt is, so no `except Exception` on the way (a data reader's) takes it for an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+class BeforeRanks:
+    """While a launcher prepares (checks, data, checkpoints), before torchrun starts the ranks: SIGTERM,
+    SIGINT and SIGHUP raise StoppedBeforeStart, so the command says it stopped before training began
+    instead of dying silently (SIGTERM's default) or in a traceback. run_workers replaces these
+    handlers with the ranks' own stop (_Stopper) while torchrun runs and puts them back after it;
+    `restore()` then gives the signals their earlier handlers for the rest of the command. Only the
+    process that entered acts: a worker forked while data is prepared gets the default behaviour."""
+
+    def __init__(self) -> None:
+        self.saved: dict = {}
+        self.pid = os.getpid()
+
+    def _raise(self, signum, frame):
+        if os.getpid() != self.pid:  # a forked data worker: as before, the signal's default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise StoppedBeforeStart(signum)
+
+    def __enter__(self) -> "BeforeRanks":
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {s: signal.signal(s, self._raise) for s in STOP_SIGNALS}
+        return self
+
+    def restore(self) -> None:
+        for sig, h in self.saved.items():
+            signal.signal(sig, h)
+        self.saved = {}
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 class _Stopper:
     """The launcher's SIGTERM/SIGINT/SIGHUP handler: pass SIGTERM straight to the ranks (not to
     torchrun, whose own handler SIGKILLs them after 30 s), and SIGKILL everything after the grace
-    period or at a second Ctrl-C."""
+    period or at a second Ctrl-C.
+
+    A signal that comes while torchrun is still starting (no rank yet, `before_ranks`) is not lost:
+    each rank gets SIGTERM as it appears, until torchrun exits or the grace period ends."""
 
     def __init__(self, proc: subprocess.Popen, grace_s: float):
         self.proc, self.grace_s = proc, grace_s
@@ -128,6 +183,7 @@ class _Stopper:
         self.killed: str | None = None  # why the ranks were killed: the grace period, or a second Ctrl-C
         self.timer: threading.Timer | None = None
         self.t_signal = 0.0
+        self.before_ranks = False  # signalled before torchrun had started any rank
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -137,9 +193,15 @@ class _Stopper:
             return
         self.signal, self.t_signal = name, time.monotonic()
         ranks = _child_pids(self.proc.pid)
-        print(f"\n{name}: asking the {len(ranks)} rank(s) to finish their step and save (up to "
-              f"{self.grace_s:g} s, stop_grace_period_s){'; Ctrl-C again to kill them now' if signum == signal.SIGINT else ''}",
-              file=sys.stderr, flush=True)
+        again = '; Ctrl-C again to kill them now' if signum == signal.SIGINT else ''
+        if not ranks:
+            self.before_ranks = True
+            print(f"\n{name}: torchrun has not started the ranks yet; each gets SIGTERM as it starts (up to "
+                  f"{self.grace_s:g} s, stop_grace_period_s){again}", file=sys.stderr, flush=True)
+            threading.Thread(target=self._signal_new_ranks, daemon=True).start()
+        else:
+            print(f"\n{name}: asking the {len(ranks)} rank(s) to finish their step and save (up to "
+                  f"{self.grace_s:g} s, stop_grace_period_s){again}", file=sys.stderr, flush=True)
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -147,6 +209,17 @@ class _Stopper:
                                      args=(f"not stopped within stop_grace_period_s={self.grace_s:g} s of {name}",))
         self.timer.daemon = True
         self.timer.start()
+
+    def _signal_new_ranks(self, every_s: float = 0.05):
+        """SIGTERM to each rank torchrun starts after the signal came, until it exits or is killed."""
+        told: set[int] = set()
+        while self.proc.poll() is None and self.killed is None:
+            for pid in _child_pids(self.proc.pid):
+                if pid not in told:
+                    told.add(pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+            time.sleep(every_s)
 
     def kill(self, why: str = "killed"):
         if self.proc.poll() is not None:
@@ -193,8 +266,9 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     SIGTERM stops torchrun, which stops the ranks, and SIGTERM exits 143. torchrun runs in a
     session of its own and dies with this process (PR_SET_PDEATHSIG), so no rank is left orphaned.
     `outcome`, if given, gets what the caller's last line must tell: "signal" (the one this
-    launcher got and passed on, or None), "killed" (why the ranks were killed, or None) and
-    "causes" (the failed rank's error lines).
+    launcher got and passed on, or None), "killed" (why the ranks were killed, or None), "causes"
+    (the failed rank's error lines) and "before_training" (None, or when the signal came if no rank
+    had trained a step: while torchrun started them, or while they started).
     """
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=1, ensure_ascii=False))
@@ -235,19 +309,30 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     # Line-buffered: after a kill -9 or a full disk the log holds every line up to then.
     log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None
     failure = FailureReader()
-    # Its own session: a terminal's Ctrl-C reaches this process only, which decides what the ranks get.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, preexec_fn=_die_with_parent)
-    stopper = _Stopper(proc, float(job.get("config", {}).get("stop_grace_period_s", 120)))
     # A training stops cleanly (its ranks save); a dry-run is interrupted (KeyboardInterrupt) or
     # terminated (Terminated, exit 143).
     graceful = job.get("mode") == "train"
     main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread only
+    # From just before torchrun starts until the handlers below are in place, the stop signals wait
+    # (blocked, delivered at the unblock): one that comes in between is neither lost nor fatal.
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        # Its own session: a terminal's Ctrl-C reaches this process only, which decides what the ranks get.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    except BaseException:
+        if main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        raise
+    stopper = _Stopper(proc, float(job.get("config", {}).get("stop_grace_period_s", 120)))
     saved = {}
     if main:
-        saved = {s: signal.signal(s, stopper.handle) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)} if graceful \
+        saved = {s: signal.signal(s, stopper.handle) for s in STOP_SIGNALS} if graceful \
             else {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
     try:
+        if main:  # a signal that came meanwhile is handled now, inside this try
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
@@ -283,7 +368,17 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     if stopper.killed:
         print(f"the ranks were killed: {stopper.killed}", file=sys.stderr, flush=True)
         return 124
-    if rc != 0 and failure.causes():
+    # Signalled before any rank trained: the ranks got SIGTERM while torchrun started them, or died of
+    # it while they started (a rank that got to its stop handler, guards.StopOnSignal, finishes a step
+    # and saves instead; the ranks step together, so none had trained).
+    before = None
+    if stopper.signal and not stopper.killed and rc != 0 and (
+            stopper.before_ranks or (failure.signals == {"SIGTERM"} and not failure.errors)):
+        before = "while torchrun was starting the ranks" if stopper.before_ranks else \
+            "while the ranks were starting, before their first step"
+    if outcome is not None:
+        outcome["before_training"] = before
+    if rc != 0 and failure.causes() and not before:  # (before: the ranks died of the SIGTERM passed on)
         # A failed rank buries its error in every rank's traceback and torchrun's own: say it once.
         print("\nworker error: " + "\n              ".join(failure.causes()), file=sys.stderr, flush=True)
     return rc

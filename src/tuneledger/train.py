@@ -4,13 +4,16 @@ Checks first (preflight), then prepares the data once in this process (the ranks
 cache), then starts the ranks with torchrun. A run started again with the same run_name resumes
 from its last complete checkpoint (`resume_from_checkpoint: auto`; `never` starts over, a path
 picks one). Logs carry loss, tokens/s and the ETA; TensorBoard events go to
-runs/<run_name>/tensorboard. Writes runs/<run_name>/train.json at the end.
+runs/<run_name>/tensorboard. Writes runs/<run_name>/train.json at the end. A stop signal
+(SIGTERM, Ctrl-C, SIGHUP) before any rank has trained a step ends it with one line saying so and
+exit 128 + the signal (143 for SIGTERM); after that, the ranks finish their step and save.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ from tuneledger import eta as eta_
 from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
 from tuneledger.config import JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
-from tuneledger.launch import processes, run_workers, used_gpus
+from tuneledger.launch import BeforeRanks, StoppedBeforeStart, processes, run_workers, used_gpus
 from tuneledger.ledger import total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config
 from tuneledger.nodes import add_arguments as add_node_arguments
@@ -33,24 +36,43 @@ from tuneledger.prepare import prepare_eval, prepare_for_training
 
 def run(args: argparse.Namespace) -> int:
     startup = {"python_start_s": eta_.process_age_s()}
-    base = from_cli(args.items)
-    nodes = from_args(args)
-    locate_model(base.model_name_or_path)  # at once, before torch loads
-    check_data(base)  # and a dataset that is not there
-    cpu, nproc = processes(args.cpu, args.nproc)
-    world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
-    cfg = resolve(base, world)
-    out = cfg.out_dir
-    try:
-        # Each node's launcher holds its own lock in the shared run folder (run.lock, run-node1.lock).
-        with RunLock(out, f"run{nodes.suffix()}.lock") as lock:
-            if lock.stale:
-                print(f"note: {out / 'run.lock'} was left by pid {lock.stale.get('pid')} on {lock.stale.get('host')} "
-                      "(it is not running any more); taking it over")
-            return _run_locked(cfg, cpu, nproc, nodes, startup)
-    except RunLocked as e:
-        print(f"tuneledger train: {e}", file=sys.stderr)
-        return 1
+    out: Path | None = None
+    # A stop signal before the ranks start (the checks, the data, the checkpoint checks) is said, not
+    # a silent exit 143; once torchrun runs, run_workers' own handlers stop the ranks cleanly.
+    with BeforeRanks() as before:
+        try:
+            base = from_cli(args.items)
+            nodes = from_args(args)
+            locate_model(base.model_name_or_path)  # at once, before torch loads
+            check_data(base)  # and a dataset that is not there
+            cpu, nproc = processes(args.cpu, args.nproc)
+            world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
+            cfg = resolve(base, world)
+            out = cfg.out_dir
+            # Each node's launcher holds its own lock in the shared run folder (run.lock, run-node1.lock).
+            with RunLock(out, f"run{nodes.suffix()}.lock") as lock:
+                if lock.stale:
+                    print(f"note: {out / 'run.lock'} was left by pid {lock.stale.get('pid')} on {lock.stale.get('host')} "
+                          "(it is not running any more); taking it over")
+                return _run_locked(cfg, cpu, nproc, nodes, startup, before)
+        except RunLocked as e:
+            print(f"tuneledger train: {e}", file=sys.stderr)
+            return 1
+        except StoppedBeforeStart as stop:
+            before.restore()  # a second signal now ends the command as it would have before
+            print(stopped_before_line(stop.name, "while preparing the checks, the data and the run folder", out),
+                  file=sys.stderr, flush=True)
+            return 128 + stop.signum
+
+
+def stopped_before_line(signal_name: str, when: str, out: Path | None) -> str:
+    """The one line of a train stopped by a signal before any rank trained a step: nothing trained,
+    no checkpoint saved, and what the same command does next. Its exit is 128 + the signal's number,
+    as any interrupted command's (143 for SIGTERM, 130 for Ctrl-C; docs/runs-and-output.md)."""
+    good = scan(out)[0] if out is not None and out.is_dir() else None
+    then = f"the same command resumes from {good.name}" if good else "the same command starts it"
+    return (f"tuneledger train: stopped by {signal_name} before training began, {when}: nothing was trained and no "
+            f"checkpoint was saved; {then}.")
 
 
 def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | None, str | None]:
@@ -130,7 +152,7 @@ def failure_line(rc: int, outcome: dict, stopped_cleanly: bool, out: Path, log: 
     return f"tuneledger train: {what}. {then} The log is {log}."
 
 
-def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict) -> int:
+def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict, before: BeforeRanks | None = None) -> int:
     world = nodes.world_size(nproc)
     out = cfg.out_dir
     try:
@@ -201,8 +223,14 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     t_launch = time.time()
     outcome: dict = {}
     rc = run_workers(job, out / f"job{nodes.suffix()}.json", nproc, log, nodes, rdzv_id=cfg.run_name, outcome=outcome)
+    if before is not None:
+        before.restore()  # the ranks have run: the rest of the command keeps the signals' earlier handlers
     t_exit = time.time()
     rows = sampler.stop() if sampler else []
+    if outcome.get("before_training") and not result_path.is_file():
+        # Signalled while torchrun or the ranks were starting: the ranks stopped before any step.
+        print(stopped_before_line(outcome["signal"], outcome["before_training"], out), file=sys.stderr, flush=True)
+        return 128 + signal.Signals[outcome["signal"]].value
     # torchrun exits non-zero when it was signalled itself (Slurm without B: signals every process),
     # even though the ranks stopped cleanly and saved: their result says so.
     stopped_cleanly = rc != 0 and result_path.is_file() and \
