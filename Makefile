@@ -216,6 +216,12 @@ dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, 
 train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
 	$(strip $(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES))$(WITH_ARGS)
 
+# `make whatif RUN=<run>`: that run's dry-run ledger on other GPUs (docs/whatif.md); the box is
+# 8x4090-pcie unless ARGS="--gpus 4xA100-80g-nvlink" (or a YAML) says another; PRESET= picks one.
+.PHONY: whatif
+whatif: $(ENV_DEP) ## predict RUN's dry-run on other GPUs: s/step, tokens/s, memory, 24 GB fit, ETA (ARGS="--gpus 8xH100-sxm")
+	$(strip $(TL) whatif $(RUN_DIR)/dryrun.json --gpus 8x4090-pcie $(if $(PRESET),--preset $(PRESET)))$(WITH_ARGS)
+
 # The run of export, chat and eval: RUN (a path when it holds a /, else runs/RUN). Without RUN the
 # verb reads CONFIG itself (a LLaMA-Factory merge/inference/predict yaml, or a training config:
 # its output_dir, else runs/<run_name>), with the model override the training got.
