@@ -274,8 +274,8 @@ test-slow: $(VENV)/.stamp ## the slow tier in .venv: real-weights runs (SmolLM2-
 
 test-all: test test-slow test-quant ## everything: both tiers and the INT4 tests (what CI runs)
 
-test-quant: $(VENV)/.stamp $(VENV_QUANT)/.stamp ## the INT4 tests, in .venv-quant (exports made by .venv, as in real use)
-	@$(call pytest,$(VENV_QUANT)/bin/python,tests/test_quantize.py)
+test-quant: $(VENV)/.stamp $(VENV_QUANT)/.stamp ## the tests that need torch 2.13, in .venv-quant: INT4 (exports made by .venv, as in real use), preset F (FSDP2)
+	@$(call pytest,$(VENV_QUANT)/bin/python,tests/test_quantize.py tests/test_fsdp.py)
 
 clean-cache: ## drop the tokenized-data cache
 	rm -rf .cache/tuneledger
