@@ -209,3 +209,11 @@ def test_a_preset_that_does_not_fit_names_the_one_that_would(tmp_path):
     assert r.returncode == 0 and "17,377 steps" in r.stdout and "87 saves" in r.stdout
     for part in ("matmul", "attention", "dequant", "other memory-bound", "host =", "all-reduce", "optimizer"):
         assert part in r.stdout
+
+
+def test_an_fsdp_ledger_is_refused_not_mispredicted(tmp_path):
+    led = hand_ledger()
+    led["presets"][0]["config"]["fsdp"] = "full_shard auto_wrap"
+    path = tmp_path / "dryrun.json"
+    path.write_text(json.dumps(led))
+    assert cli_rc(["whatif", str(path), "--gpus", "8x4090-pcie"]) == 2

@@ -174,7 +174,11 @@ def predict_all(led: dict, args: argparse.Namespace, hw: Hardware, n: int) -> tu
     """Every asked row: (sources, predictions, the context printed at the top)."""
     src_hw = source_gpu(led, args.source_gpu)
     r = profile_rates(args, led, src_hw)
-    sources = [cm.analyze(led, row, r, src_hw.memory_gbs) for row in led["presets"]]
+    # FSDP (preset F) shards the base and all-gathers it every layer: not this model's DDP arithmetic.
+    rows = [row for row in led["presets"] if not row["config"].get("fsdp")]
+    if not rows:
+        raise WhatifError("every preset of the ledger ran FSDP (preset F): whatif models DDP presets (A-D) only")
+    sources = [cm.analyze(led, row, r, src_hw.memory_gbs) for row in rows]
     cost = cm.ledger_launch_cost(sources)
     cfg = led["presets"][0]["config"]
     quant = cfg.get("quantization_type", "nf4") if cfg.get("quantization_bit") else None
@@ -192,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
         hw, n = parse_gpus(args.gpus)
         path = Path(args.ledger)
         led = load_ledger(path)
-        if args.preset and args.preset.upper() not in {r["preset"] for r in led["presets"]}:
-            raise WhatifError(f"{path}: no measured preset {args.preset}; it holds "
+        if args.preset and args.preset.upper() not in {r["preset"] for r in led["presets"] if not r["config"].get("fsdp")}:
+            raise WhatifError(f"{path}: no measured DDP preset {args.preset} (whatif does not model FSDP's F); it holds "
                               f"{', '.join(r['preset'] for r in led['presets'])}")
         sources, preds, ctx = predict_all(led, args, hw, n)
     except WhatifError as e:
