@@ -58,6 +58,39 @@ def test_a_training_prints_its_eta_not_a_dry_runs(capsys, monkeypatch):
     assert capsys.readouterr().out == "train tiny: step 1/40, 30.00 s/step so far; ETA 19 min 30 s\n"
 
 
+def test_a_resumed_runs_eta_counts_this_process_steps_only(capsys, monkeypatch):
+    """Issue 21 (4): after a resume from checkpoint-500 of 1000, the rate is over the steps this
+    process did (global_step at on_train_begin is the start), the rest is max_steps - global_step:
+    step 501 after 20 s is 20 s/step with 499 left, not 20/501 s/step."""
+    import tuneledger.progress as progress
+
+    clock = iter([100.0, 120.0, 130.0, 200.0])  # steps 501, 502 (within every_s) and 510
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    cb = StepProgress("train r", every_s=30.0)
+    state = SimpleNamespace(global_step=500, max_steps=1000, is_world_process_zero=True)
+    cb.on_train_begin(None, state, None)
+    # The start is on_train_begin's global_step, whatever the first step hook sees.
+    state.global_step = 503
+    cb.on_step_begin(None, state, None)
+    for step in (501, 502, 510):
+        state.global_step = step
+        cb.on_step_end(None, state, None)
+    assert capsys.readouterr().out.splitlines() == [
+        "train r: ready; 500 steps to run",
+        f"train r: step 501/1000, 20.00 s/step so far; ETA {progress.fmt_h(499 * 20.0)}",
+        f"train r: step 510/1000, 10.00 s/step so far; ETA {progress.fmt_h(490 * 10.0)}"]
+    assert progress.fmt_h(499 * 20.0) == "2 h 46 min"
+
+
+def test_other_ranks_keep_the_same_start_on_a_resume():
+    """on_train_begin records the start on every rank (only rank 0 prints)."""
+    cb = StepProgress("train r")
+    state = SimpleNamespace(global_step=40, max_steps=100, is_world_process_zero=False)
+    cb.on_train_begin(None, state, None)
+    cb.on_step_begin(None, state, None)
+    assert cb._first_step == 40
+
+
 def test_only_rank_zero_prints(capsys):
     cb = StepProgress("train r")
     state = SimpleNamespace(global_step=0, max_steps=4, is_world_process_zero=False)

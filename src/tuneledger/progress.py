@@ -6,7 +6,9 @@ terminal, a pipe and a log. Dry-run and train print the same line:
 
     dry-run preset A (1 of 4): step 3/6, 14.20 s/step so far; this preset ~0 min 43 s more (3 more presets after it, not in this estimate: each steps at its own speed)
 
-s/step so far = wall time since this process's first step began / steps done since. A dry-run's
+s/step so far = wall time since this process's first step began / the steps this process has done
+(global_step now - global_step at on_train_begin: after a resume from checkpoint-500, step 501 is
+its first, not its 501st); ETA = that x (max_steps - global_step). A dry-run's
 estimate covers the running preset only, and says so: the presets differ in micro-batch,
 gradient checkpointing and packing, and one's step time does not predict another's (on a 2-core
 CPU, presets after A stepped twice as slow, so "the rest take as long as A" promised 3 minutes
@@ -49,10 +51,11 @@ class StepProgress(TrainerCallback):
         self.label, self.every_s, self.dryrun = label, every_s, dryrun
         self.later_presets, self.started_wall = later_presets, started_wall
         self._t0: float | None = None
-        self._first_step = 0
+        self._first_step: int | None = None  # global_step when this process began: the checkpoint's on a resume
         self._last_print = 0.0
 
     def on_train_begin(self, args, state, control, **kw):
+        self._first_step = state.global_step  # the steps before it were another process's, at its own speed
         # Between the launch line and the first step line lie the ranks' start and the model load.
         if state.is_world_process_zero:
             ready = f" after {time.time() - self.started_wall:.0f} s (start-up and model load)" if self.started_wall else ""
@@ -60,7 +63,9 @@ class StepProgress(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         if self._t0 is None:
-            self._t0, self._first_step = time.perf_counter(), state.global_step
+            self._t0 = time.perf_counter()
+            if self._first_step is None:  # no on_train_begin seen
+                self._first_step = state.global_step
 
     def on_step_end(self, args, state, control, **kw):
         if not state.is_world_process_zero or self._t0 is None:
