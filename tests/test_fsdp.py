@@ -156,3 +156,23 @@ def test_f_matches_ddp_and_resumes_ddp_f_ddp(tmp_path, tiny_model):
         p = tl("export", str(tmp_path / "f"), "--out", str(tmp_path / "export"), python=TRAINER_PY)
         assert p.returncode == 0, p.stderr[-3000:]
         assert (tmp_path / "export" / "config.json").is_file()
+
+
+def test_the_ledger_puts_ddp_beside_f_per_gpu():
+    from tuneledger.dryrun_report import markdown  # noqa: F401  (the section renders from these fields)
+    from tuneledger.sharding import peak_by_world
+
+    # A 7B-like DDP row: 5.5 GiB of 4-bit weights, 40M LoRA parameters, 9 GiB peak on one GPU.
+    row = {"memory_mib": [{"peak_allocated": 9 * 1024}], "world_size": 1, "config": {"fsdp": None},
+           "model": {"weights_mib": 5.5 * 1024, "layer_mib": 0.18 * 1024, "trainable_params": 40_000_000}}
+    f = peak_by_world(row)
+    lora = 40e6 * 16 / 2**30
+    assert f["ddp_gib"] == pytest.approx(9.0, abs=0.01) and f["activations_gib"] == pytest.approx(9 - 5.5 - lora, abs=0.01)
+    assert f["f_gib"][1] == pytest.approx(9.0, abs=0.01)
+    assert f["f_gib"][2] == pytest.approx((5.5 + lora) / 2 + (9 - 5.5 - lora) + 2 * 0.18 / 2, abs=0.01)
+    assert f["f_gib"][8] < f["f_gib"][4] < f["f_gib"][2] < f["ddp_gib"] and "16 bytes" in f["formula"]
+    # measured under F on 2 GPUs: its own sharding is taken back out, so DDP's figure is the same
+    f2 = peak_by_world({**row, "world_size": 2, "config": {"fsdp": "full_shard auto_wrap"},
+                        "memory_mib": [{"peak_allocated": f["f_gib"][2] * 1024}]})
+    assert f2["ddp_gib"] == pytest.approx(9.0, abs=0.02)
+    assert peak_by_world({**row, "memory_mib": [{"peak_allocated": None}]}) is None  # a CPU run: no GPU memory

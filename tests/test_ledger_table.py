@@ -89,3 +89,16 @@ def test_three_way_tie_names_them_all():
 
 def test_equal_means_run_at_the_same_speed():
     assert "they run at the same speed" in finding([row("A", 100.0, 80, 84), row("B", 100.0, 80, 84)])
+
+
+def test_markdown_puts_ddp_beside_f_per_gpu_when_memory_was_measured():
+    r = {**row("A", 100_000, 0.080, 0.082), "split": {"method": "m", "forward_backward_s": 1, "forward_backward_per_micro_s": 1,
+                                                      "micro_batches_per_step": 1, "allreduce_s": 0, "sync_wait_s": None,
+                                                      "optimizer_s": 0, "other_s": 0, "data_wait_s": 0}, "allreduce": {},
+         "per_gpu_peak": {"ddp_gib": 26.1, "activations_gib": 4.0, "f_gib": {1: 26.1, 2: 15.2, 4: 9.7, 8: 7.0},
+                          "formula": "F's per-GPU peak at N GPUs = ..."}}
+    md = markdown({**led([r]), "run_name": "r", "date": "d", "host": "h", "model": "m", "topology": {"link": "x", "matrix": ""},
+                   "dataset": ["d.json"], "stats": {"records": {"valid": 1}, "tokens": {"trained": 1}, "steps_per_epoch": 1},
+                   "global_batch_size": 16, "data_hash": "abc", "versions": {}, "dryrun_steps": 9, "config": {}})
+    assert "## Per-GPU peak: DDP (one whole copy per GPU) against F (sharded), GiB" in md
+    assert "| A | 26.1 | 26.1 | 15.2 | 9.7 | 7.0 |" in md and "F's per-GPU peak at N GPUs" in md

@@ -37,6 +37,7 @@ from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data_report import run_data_hash
 from tuneledger.prepare import load_prepared, prepare_eval, prepare_for_training
+from tuneledger.sharding import peak_by_world
 
 
 
@@ -249,6 +250,8 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
             retries = max(r.get("alloc_retries") or 0 for r in result["ranks"])
             if retries:
                 row["fits_24gb_note"] += f"; {retries} allocator retries: the cap slowed it"
+        row["world_size"] = world
+        row["per_gpu_peak"] = peak_by_world(row)  # DDP's measured beside F's predicted (sharding.py)
         rows.append(row)
         results[name] = result
         sp = row["step_spread"]
@@ -312,6 +315,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes,
                         eval_prep.path if eval_prep else None, startup)
+        fits = [r.get("fits_24gb") for r in rows if "s_per_step" in r]
+        if args.preset == "ALL" and fits and all(f is False for f in fits):
+            # No whole copy per GPU fits a 24 GB card: measure the sharded preset beside them.
+            print("\nno DDP preset fits a 24 GB card: measuring preset F (FSDP2, the model sharded over the GPUs)", flush=True)
+            names.append("F")
+            measure_presets(args, plan(args.items, ["F"], world), nproc, cpu, prep, stats, out_root, log, rows, results,
+                            nodes, eval_prep.path if eval_prep else None, startup)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.
         print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)

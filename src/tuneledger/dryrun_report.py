@@ -62,6 +62,16 @@ def markdown(led: dict) -> str:
     # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py).
     lines += [""] + [f"- levers {r['preset']}: {levers_line(r['model'].get('levers') or {})}" for r in rows]
     lines += eta_markdown(rows)
+    fit = [r for r in rows if r.get("per_gpu_peak")]
+    if fit:
+        worlds = list(fit[0]["per_gpu_peak"]["f_gib"])
+        lines += ["", "## Per-GPU peak: DDP (one whole copy per GPU) against F (sharded), GiB", "",
+                  "| preset | DDP, any world size | " + " | ".join(f"F at {n} GPU{'s' if n > 1 else ''}" for n in worlds) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in worlds) + " |"]
+        for r in fit:
+            f = r["per_gpu_peak"]
+            lines.append(f"| {r['preset']} | {f['ddp_gib']:.1f} | " + " | ".join(f"{f['f_gib'][n]:.1f}" for n in worlds) + " |")
+        lines += ["", f"{fit[0]['per_gpu_peak']['formula']} (sharding.predicted_peak_gib)."]
     lines += ["", "## Where the step time goes (seconds per optimizer step, steady state; adds up to the window's mean step)", "",
               "| preset | forward+backward (per micro-batch x n) | all-reduce | sync wait | optimizer | other | data wait | all-reduce bus GB/s |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -232,3 +232,30 @@ def predicted_peak_gib(weights_gib: float, lora_state_gib: float, activations_gi
     if world < 1:
         raise ValueError(f"world size {world}: must be >= 1")
     return (weights_gib + lora_state_gib) / world + activations_gib + 2 * layer_gib * (world - 1) / world
+
+
+FIT_FORMULA = ("F's per-GPU peak at N GPUs = (base weights as stored + LoRA weights, grads and Adam state [16 bytes "
+               "per trainable parameter]) / N + activations (measured: this run's peak less its state) + 2 x one decoder "
+               "layer x (N - 1) / N (the gathered layer and the prefetched one); DDP's is the measured peak at any N")
+
+
+def peak_by_world(row: dict, worlds: tuple[int, ...] = (1, 2, 4, 8)) -> dict | None:
+    """DDP's measured per-GPU peak beside F's predicted one at each world size in `worlds` (GiB),
+    from one dry-run row (its model info and memory_mib), or None where no GPU memory was measured
+    (a CPU run). The formula (FIT_FORMULA, predicted_peak_gib) is in the result."""
+    peaks = [m.get("peak_allocated") for m in row.get("memory_mib") or []]
+    model = row.get("model") or {}
+    if not peaks or None in peaks or "weights_mib" not in model:
+        return None
+    peak = max(peaks) / 1024
+    weights, layer = model["weights_mib"] / 1024, model["layer_mib"] / 1024
+    lora_state = model["trainable_params"] * 16 / 2**30
+    measured_world = row.get("world_size") or 1
+    if (row.get("config") or {}).get("fsdp"):  # measured under F: take its own sharding back out
+        held = (weights + lora_state) / measured_world + 2 * layer * (measured_world - 1) / measured_world
+    else:
+        held = weights + lora_state
+    activations = max(0.0, peak - held)
+    return {"ddp_gib": round(weights + lora_state + activations, 2), "activations_gib": round(activations, 2),
+            "f_gib": {n: round(predicted_peak_gib(weights, lora_state, activations, layer, n), 2) for n in worlds},
+            "formula": FIT_FORMULA}
