@@ -176,3 +176,52 @@ def test_the_ledger_puts_ddp_beside_f_per_gpu():
                         "memory_mib": [{"peak_allocated": f["f_gib"][2] * 1024}]})
     assert f2["ddp_gib"] == pytest.approx(9.0, abs=0.02)
     assert peak_by_world({**row, "memory_mib": [{"peak_allocated": None}]}) is None  # a CPU run: no GPU memory
+
+
+@needs_fsdp2
+@pytest.mark.e2e
+def test_under_f_the_guards_work_as_under_ddp(tmp_path, tiny_model):
+    """The NaN guard, SIGTERM's save, the run lock and a resume after it, as test_faults_e2e runs
+    them under DDP, with preset F (micro-batch 1: 8 records, global batch 2 on 2 ranks)."""
+    import signal
+
+    from test_faults_e2e import args, logged, start, wait_for_first_step
+    from test_faults_e2e import tl as tl_faults
+    from tuneledger.checkpoints import problem
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join((ROOT / "src/tuneledger/data/demo.jsonl").read_text().splitlines(keepends=True)[:8]))
+    f = ("preset=F", "per_device_train_batch_size=1", "report_to=none", "plot_loss=false")
+
+    nan = tmp_path / "nan"
+    p = tl_faults(*args(tiny_model, data, nan, *f, "learning_rate=1e30", "max_steps=8", "logging_steps=5"))
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "at step 4 (finite until step 2)" in p.stderr and "that step not saved" in p.stderr
+    assert sorted(c.name for c in nan.glob("checkpoint-*")) == ["checkpoint-2"]
+
+    run = tmp_path / "run"
+    a = args(tiny_model, data, run, *f, "max_steps=40", "save_steps=100", "stop_grace_period_s=300")
+    first = start(*a, out=tmp_path / "first.out")
+    try:
+        wait_for_first_step(run)
+        second = tl_faults(*args(tiny_model, data, run, *f, "max_steps=40"))
+        assert second.returncode == 1 and f"is in use by pid {first.pid}" in second.stderr
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=600) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    out = (tmp_path / "first.out").read_text()
+    assert "stopped by SIGTERM after step" in out, out[-3000:]
+    ckpts = list(run.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and problem(ckpts[0]) is None
+    step = int(ckpts[0].name.split("-")[1])
+    # resumed under DDP (preset B at the same global batch): the settings that matter are the same
+    resumed = tl_faults(*args(tiny_model, data, run, "preset=B", "per_device_train_batch_size=1", "report_to=none",
+                              "plot_loss=false", f"max_steps={step + 1}", "save_steps=100"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming from {ckpts[0]}" in resumed.stdout
+    assert [h["step"] for h in logged(run / f"checkpoint-{step + 1}")] == list(range(1, step + 2))
+    # a resume that changes what the checkpoint was trained with is refused, under F as under DDP
+    changed = tl_faults(*args(tiny_model, data, run, *f, "lora_rank=8", f"max_steps={step + 2}"))
+    assert changed.returncode != 0 and "lora_rank" in changed.stderr, changed.stderr[-2000:]

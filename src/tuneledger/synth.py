@@ -27,6 +27,10 @@ ARCHS = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
                        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu"),
+    # Qwen2.5-32B-Instruct's: preset F's case, a model whose 4-bit copy plus activations pass 24 GB.
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+                        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu"),
     # Same shape family, small enough for CPU tests: GQA, untied, the full Qwen vocabulary.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=151665, max_position_embeddings=4096, rope_theta=1e6,
