@@ -36,8 +36,6 @@ def test_the_launcher_names_the_checkpoint_and_its_step(resumed):
     assert f"resuming from {run / 'checkpoint-2'} (step 2 of 4)" in out
 
 
-@pytest.mark.xfail(strict=True, reason="worker.py prints its own 'resuming from <checkpoint>' on rank 0 "
-                   "(`if resume and rank == 0: print(...)`), with less than the launcher's line: that print should go")
 def test_resuming_is_said_once(resumed):
     _, out = resumed
     lines = [ln for ln in out.splitlines() if ln.startswith("resuming from")]

@@ -148,9 +148,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     resume = None
     if mode == "train" and cfg.resume_from_checkpoint != "never":
         # The launcher picked the verified checkpoint (and set damaged ones aside); never re-pick here.
-        resume = job["resume"] if "resume" in job else last_checkpoint(out_dir)
-        if resume and rank == 0:
-            print(f"resuming from {resume}", flush=True)
+        resume = job["resume"] if "resume" in job else last_checkpoint(out_dir)  # the launcher says which
     wall0, wall_started = time.perf_counter(), time.time() - 1  # 1 s: file systems with coarse mtimes
     try:
         out = trainer.train(resume_from_checkpoint=resume)
