@@ -20,7 +20,7 @@ from tuneledger import __version__
 BAD_INPUT = 2
 
 # Module names under tuneledger/, in the order `--help` lists them (a package's verb is its .cli).
-VERBS = ["stats", "dryrun", "train", "synth", "gguf_import", "preflight", "export", "quantize", "chat", "evaluate", "monitor.cli", "gpus", "whatif"]
+VERBS = ["stats", "dryrun", "tune", "train", "synth", "gguf_import", "preflight", "export", "quantize", "chat", "evaluate", "monitor.cli", "gpus", "whatif"]
 
 
 def build_parser() -> argparse.ArgumentParser:
