@@ -68,11 +68,47 @@ def test_chat_cli_one_prompt_and_clear_errors(adapter_run, tmp_path):
     p = tl("chat", str(adapter_run), "--prompt", "who are you?", "--max-new-tokens", "5", "--device", "cpu")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "chat: " in p.stderr and "+ adapter" in p.stderr and p.stdout.strip()
+    assert f"+ adapter {adapter_run / 'checkpoint-1'} (step 1)\n" in p.stderr  # the adapter's step, too
     assert "SYNTHETIC model (random weights)" in p.stderr  # the tiny model: noise is expected, and said
     p = tl("chat", str(tmp_path / "no-such-run"), "--prompt", "x")
     assert p.returncode == 1 and "no run" in p.stderr and "no-such-run" in p.stderr
     p = tl("chat", str(adapter_run), "--checkpoint", "best", "--prompt", "x")
     assert p.returncode == 1 and "has no checkpoint with an eval loss" in p.stderr
+
+
+def test_chat_on_an_export_names_the_checkpoint_step_and_base_it_was_made_from(adapter_run, tiny_model, tmp_path):
+    """Issue 21 (1): export records its provenance in export.json beside the weights; chat's first
+    line names it. A real export of the run's checkpoint-1, then chat on the export folder."""
+    from tuneledger.export import export
+
+    out = tmp_path / "export"
+    led = export(adapter_run, out, device="cpu", max_new_tokens=4)
+    recorded = json.loads((out / "export.json").read_text())
+    assert (recorded["checkpoint"], recorded["step"], recorded["base"]) == (
+        str(adapter_run / "checkpoint-1"), 1, str(tiny_model)) and recorded == json.loads(json.dumps(led))
+    p = tl("chat", str(out), "--prompt", "hi", "--max-new-tokens", "3", "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.splitlines()[0] == (f"chat: export {out} (exported from {adapter_run / 'checkpoint-1'}, step 1; "
+                                        f"base {tiny_model})"), p.stderr[-3000:]
+
+
+def test_the_start_line_says_where_the_model_came_from_in_every_case(tmp_path):
+    """An export.json from before the step was recorded: the step from the checkpoint's name; a model
+    folder without one: said; an adapter: its trainer_state's step, else its name's."""
+    from tuneledger.loading import checkpoint_step, provenance
+
+    old = tmp_path / "old-export"
+    old.mkdir()
+    (old / "export.json").write_text(json.dumps({"checkpoint": "runs/x/checkpoint-40", "base": "models/b"}))
+    assert provenance("export", old) == "exported from runs/x/checkpoint-40, step 40; base models/b"
+    assert provenance("export", tmp_path) == ("no export.json beside it: the run and checkpoint it was made from "
+                                              "are not recorded")
+    ckpt = tmp_path / "checkpoint-7"
+    ckpt.mkdir()
+    assert checkpoint_step(ckpt) == 7 and provenance("adapter", ckpt) == "step 7"
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 8}))
+    assert checkpoint_step(ckpt) == 8
+    assert checkpoint_step(tmp_path / "best") is None and provenance("adapter", tmp_path / "best") == ""
 
 
 def eval_args(items, **kw):

@@ -5,7 +5,9 @@
     tuneledger chat RUN --prompt "who are you?"  # one answer, for scripts and tests
     tuneledger chat lf_inference.yaml            # LLaMA-Factory's inference yaml: model_name_or_path + adapter_name_or_path
 
-RUN is a run name (runs/RUN), a run folder, a checkpoint-N folder or an export folder. A config
+RUN is a run name (runs/RUN), a run folder, a checkpoint-N folder or an export folder; the first
+line says what was loaded and where it came from (an export: the checkpoint, step and base its
+export.json records; an adapter: its step). A config
 (usecfg: a LLaMA-Factory inference yaml, or a training config naming its run) gives the adapter,
 the base, max_new_tokens, do_sample/temperature and default_system; options on the command line
 win. A `template:` line says which chat template renders and why (templateinfo). The
@@ -95,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if use.get("default_system") is not None:
         loaded.config = {**loaded.config, "default_system": use.get("default_system")}
-    print(f"chat: {loaded.source}", file=sys.stderr, flush=True)
+    # What was loaded and where it came from: an export's checkpoint and step, an adapter's step.
+    print(f"chat: {loaded.source}" + (f" ({loaded.provenance})" if loaded.provenance else ""), file=sys.stderr,
+          flush=True)
     asked = use.get("template", loaded.config.get("template"))
     print(template_line(asked, loaded.tokenizer.chat_template, loaded.source), file=sys.stderr, flush=True)
     if getattr(loaded.model.config, "tuneledger_synthetic", None):

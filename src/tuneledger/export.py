@@ -37,6 +37,9 @@ Verification, before anything is kept, in three parts (`verify` in the ledger):
    synthetic Qwen2.5-7B by 1.0e-1 (random weights amplify it through 28 layers;
    bench/results/h200-2026-11-30-export); parts 1 and 2 are the exact checks.
 Otherwise the export fails and its temporary directory is removed: nothing half-written is left.
+
+Beside the weights, export.json is the export's ledger and its provenance: the run (source_run),
+the checkpoint and its step, the base, and the verification; `tuneledger chat` names them.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from typing import Any
 
 from tuneledger.atomicdir import atomic_dir
 from tuneledger.checkpoints import LoadError, find_checkpoint
-from tuneledger.loading import run_conversations, run_dir
+from tuneledger.loading import checkpoint_step, run_conversations, run_dir
 from tuneledger.model import PreflightError, read_model_config
 from tuneledger.perms import apply_umask
 from tuneledger.tokenizer_load import load_tokenizer
@@ -230,7 +233,9 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
             raise ExportError("the saved config still has a quantization_config")
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         ledger = {
-            "source_run": str(ckpt.parent), "checkpoint": str(ckpt), "base": base, "dtype": dtype, "out": str(out),
+            # Provenance: what `tuneledger chat` on the export names (the run, the checkpoint, its step, the base).
+            "source_run": str(ckpt.parent), "checkpoint": str(ckpt), "step": checkpoint_step(ckpt), "base": base,
+            "dtype": dtype, "out": str(out),
             "safetensors_bytes": size, "shards": len(list(tmp.glob("*.safetensors"))), "eos_token_ids": gen.eos_token_id,
             "verification": check, "seconds": round(time.perf_counter() - t0, 1),
             "samples": [tokenizer.decode(g["tokens"], skip_special_tokens=False) for g in got[:2]],
@@ -269,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     v = led["verification"]
     m = v["merge_fp32"]
-    print(f"exported {led['checkpoint']} + {led['base']} -> {led['out']}: {led['safetensors_bytes'] / 1e9:.2f} GB in "
+    step = f" (step {led['step']})" if led.get("step") is not None else ""
+    print(f"exported {led['checkpoint']}{step} + {led['base']} -> {led['out']}: {led['safetensors_bytes'] / 1e9:.2f} GB in "
           f"{led['shards']} shard(s), {led['dtype']}, {led['seconds']} s; eos ids {led['eos_token_ids']}\n"
           f"verified on {v['prompts']} prompts: fp32 merge {m['merge_error_rel']:.1e} of the logit scale off base + "
           f"adapter (tolerance {m['rtol']:.0e}; the adapter moves them {m['adapter_effect_rel']:.1e}); files hold the "

@@ -23,6 +23,7 @@ class Loaded:
     source: str  # what was loaded, for the first line printed
     config: dict  # the run's resolved config (job.json), {} when unknown
     checkpoint: Path | None  # the adapter's checkpoint, None for an export or a model alone
+    provenance: str = ""  # where it came from, for the first line: an export's checkpoint and step (provenance())
 
 
 def run_conversations(cfg: dict, files: list[str], limit: int | None = None) -> list[list[dict]]:
@@ -68,6 +69,35 @@ def run_config(path: Path) -> dict:
     return {}
 
 
+def checkpoint_step(ckpt: Path) -> int | None:
+    """The optimizer step a checkpoint was saved at: its trainer_state.json, else its name (checkpoint-N)."""
+    try:
+        return int(json.loads((ckpt / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    tail = ckpt.name.rsplit("-", 1)[-1]
+    return int(tail) if ckpt.name.startswith("checkpoint-") and tail.isdigit() else None
+
+
+def provenance(kind: str, where: Path) -> str:
+    """What a start line says about where the model came from: for an export, the checkpoint, step
+    and base its export.json records (export.py writes it); for an adapter, its step."""
+    if kind == "adapter":
+        step = checkpoint_step(where)
+        return f"step {step}" if step is not None else ""
+    try:
+        led = json.loads((where / "export.json").read_text())
+    except (OSError, ValueError):
+        return "no export.json beside it: the run and checkpoint it was made from are not recorded"
+    if not isinstance(led, dict) or not led.get("checkpoint"):
+        return "its export.json names no checkpoint"
+    step = led.get("step")
+    if step is None:  # an export.json written before the step was recorded
+        step = checkpoint_step(Path(led["checkpoint"]))
+    return (f"exported from {led['checkpoint']}" + (f", step {step}" if step is not None else "")
+            + (f"; base {led['base']}" if led.get("base") else ""))
+
+
 def is_export(path: Path) -> bool:
     """A model folder (config.json) without an adapter: an export, or any plain model."""
     return (path / "config.json").is_file() and not (path / "adapter_config.json").is_file()
@@ -111,7 +141,7 @@ def load(run: str | None, checkpoint: str | None = None, base: str | None = None
     if kind == "export":
         tok = load_tokenizer(str(where))
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
-        return Loaded(model, tok, f"export {where}", cfg, None)
+        return Loaded(model, tok, f"export {where}", cfg, None, provenance("export", where))
     from peft import PeftModel
 
     base = base or cfg.get("model_name_or_path") or json.loads((where / "adapter_config.json").read_text()).get(
@@ -125,7 +155,7 @@ def load(run: str | None, checkpoint: str | None = None, base: str | None = None
     except OSError as e:
         raise LoadError(f"cannot load the base {base}: {str(e).splitlines()[0]}; pass --base DIR") from None
     model = PeftModel.from_pretrained(model, str(where)).eval()
-    return Loaded(model, tok, f"{base} + adapter {where}", cfg, where)
+    return Loaded(model, tok, f"{base} + adapter {where}", cfg, where, provenance("adapter", where))
 
 
 def stop_ids(tok: Any) -> list[int]:
