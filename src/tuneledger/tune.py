@@ -1,0 +1,285 @@
+"""`tuneledger tune`: the fastest settings that fit, found by measurement.
+
+The space (tune_space.py) is micro-batch x gradient checkpointing x packing at the fixed global
+batch, presets A-D among its points. Each candidate is measured by a short dry-run of the real job,
+a subprocess `tuneledger dryrun ... --preset X output_dir=<output_dir>/tune/cand-k` whose dryrun.json
+is read back: the same data, collator, data order and lengths as the dry-run and train. Before
+each candidate the space is pruned against the per-GPU memory budget (tune_space.prune) and the
+time budget is checked. Writes <output_dir>/tune/tune.json, tune.md and tune.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tuneledger import ledger
+from tuneledger import tune_space as ts
+from tuneledger.config import ConfigError, resolve
+from tuneledger.config_load import from_cli, parse_overrides
+from tuneledger.launch import processes
+
+DEFAULT_STEPS, DEFAULT_WARMUP = 6, 2
+
+
+def fmt_s(seconds: float) -> str:
+    """Seconds as '4 min 05 s'."""
+    m, s = divmod(int(round(max(0.0, seconds))), 60)
+    return f"{m} min {s:02d} s"
+
+
+def card_memory_gib(nproc: int) -> float | None:
+    """The smallest total memory (GiB) of the first `nproc` GPUs by nvidia-smi; None without it.
+    Asked from nvidia-smi so this launcher holds no CUDA context."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20).stdout
+        mib = [float(x) for x in text.split() if x.strip().replace(".", "").isdigit()][:nproc]
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    return min(mib) / 1024 if mib else None
+
+
+def base_items(items: list[str], steps_given: bool) -> list[str]:
+    """The user's items without the keys a candidate sets (tune_space.SPACE_KEYS), with the short
+    dry-run's steps unless the user gave dryrun_steps (then theirs, and their warm-up)."""
+    keep = [i for i in items if "=" not in i or i.partition("=")[0].strip() not in ts.SPACE_KEYS]
+    if not steps_given:
+        keep += [f"dryrun_steps={DEFAULT_STEPS}", f"dryrun_warmup_steps={DEFAULT_WARMUP}"]
+    return keep
+
+
+def measure_row(row: dict, budget_gib: float | None, cpu: bool, oom: bool = False) -> dict:
+    """The numbers tune keeps of one dry-run ledger row: tokens/s (median step; p10-p90 range),
+    s/step, peak memory per GPU in GiB (peak allocated; a CPU run: None, its RSS in MiB beside it),
+    fits (None on a CPU: memory not checked), GPU busy % (NVML, when sampled), MFU, the verdict."""
+    gpu = max((m.get("peak_allocated") or 0) for m in row["memory_mib"]) / 1024
+    rss = max((m.get("peak_rss") or 0) for m in row["memory_mib"])
+    lo, hi = ledger.tokens_per_s_range(row)
+    fits = None if cpu or budget_gib is None else (not oom and gpu <= budget_gib)
+    d = row.get("diagnosis") or {}
+    keep = ("tokens_per_s", "tokens_per_step", "s_per_step", "step_spread", "steps_measured", "warmup_steps_excluded",
+            "tokens_per_s_per_gpu", "mfu", "split")
+    return {**{k: row.get(k) for k in keep}, "tokens_per_s_p10": lo, "tokens_per_s_p90": hi,
+            "peak_gib": gpu or None, "peak_rss_mib": rss or None, "fits": fits,
+            "gpu_busy_pct": (row.get("gpu_window") or {}).get("util_mean_pct"),
+            "bottleneck": d.get("bottleneck"), "verdict": d.get("line"), "lever": d.get("lever"),
+            "eta_s": (row.get("eta") or {}).get("total_s"), "levers": (row.get("model") or {}).get("levers")}
+
+
+def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
+                  tune_dir: Path, cap_gib: float | None) -> tuple[dict | None, bool, str]:
+    """One candidate's dry-run as a subprocess; returns (its ledger row or None, ran out of memory, log path)."""
+    out = tune_dir / f"cand-{k}"
+    log = tune_dir / f"cand-{k}.log"
+    cmd = [sys.executable, "-m", "tuneledger", "dryrun", *items, *c.overrides(), f"output_dir={out}",
+           *([f"memory_cap_gib={cap_gib:g}"] if cap_gib else []),
+           "--preset", c.presets[0] if c.presets else "A", "--nproc", str(nproc), "--no-fit-check", *(["--cpu"] if cpu else [])]
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+    led_path = out / "dryrun.json"
+    oom = any(out.glob("dryrun/*/oom-rank*.json"))
+    row = None
+    if led_path.exists():
+        rows = [r for r in json.loads(led_path.read_text())["presets"] if "s_per_step" in r]
+        row = rows[0] if rows else None
+    return row, oom, str(log)
+
+
+def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
+           tune_dir: Path, budget_s: float | None, budget_gib: float | None) -> dict:
+    """Measure the candidates in order, pruning before each and stopping at the time budget.
+    Returns what happened: pruned (with reasons), elapsed seconds, the budget found on the card."""
+    t0 = time.monotonic()
+    walls: list[float] = []
+    pruned: list[ts.Candidate] = []
+    cap = budget_gib if (args.memory_gib and not cpu) else None  # an OOM under the cap proves "does not fit"
+    n = len(cands)
+    for k, c in enumerate(cands, 1):
+        if c.status != "planned":
+            continue
+        done = [d for d in cands if d.status in ("measured", "out of memory")]
+        for p in ts.prune(cands, done, budget_gib):
+            pruned.append(p)
+            print(f"tune: pruned {p.short}: {p.reason}", flush=True)
+        if c.status != "planned":
+            continue
+        elapsed = time.monotonic() - t0
+        left = None if budget_s is None else budget_s - elapsed
+        typical = sum(walls) / len(walls) if walls else 0.0
+        if left is not None and (left <= 0 or (walls and left < typical)):
+            for rest in cands[k - 1:]:
+                if rest.status == "planned":
+                    rest.status, rest.reason = "not measured", (f"the {fmt_s(budget_s)} budget ran out ({fmt_s(max(0, left))} "
+                                                                f"left, a candidate takes ~{fmt_s(typical)})")
+            break
+        what = f" = preset {'/'.join(c.presets)}" if c.presets else ""
+        print(f"tune [{k}/{n}] {c.label}{what}: measuring; "
+              + (f"{fmt_s(left)} of the {fmt_s(budget_s)} budget left" if left is not None else "no time budget")
+              + (f", ~{fmt_s(typical)} per candidate" if walls else ""), flush=True)
+        t1 = time.monotonic()
+        row, oom, log = run_candidate(c, k, items, args, cpu, nproc, tune_dir, cap)
+        walls.append(time.monotonic() - t1)
+        c.result = {"dir": str(tune_dir / f"cand-{k}"), "log": log, "wall_s": walls[-1]}
+        if row is None:
+            c.status = "out of memory" if oom else "failed"
+            c.reason = (f"out of memory under the {budget_gib:g} GiB cap" if oom else f"the dry-run failed; see {log}")
+            c.result["fits"] = False if oom else None
+            print(f"tune [{k}/{n}] {c.short}: {c.reason}", flush=True)
+            continue
+        c.result.update(measure_row(row, budget_gib, cpu, oom))
+        c.status = "measured"
+        r = c.result
+        mem = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] else (f"{r['peak_rss_mib']:,} MiB RSS" if r["peak_rss_mib"] else "-")
+        print(f"tune [{k}/{n}] {c.short}: {r['tokens_per_s']:,.0f} tokens/s (p10-p90 {r['tokens_per_s_p10']:,.0f}-"
+              f"{r['tokens_per_s_p90']:,.0f}), peak {mem}, fits {fits_word(r['fits'])}, {walls[-1]:.0f} s", flush=True)
+    return {"pruned": [p.short for p in pruned], "elapsed_s": time.monotonic() - t0}
+
+
+def fits_word(f: bool | None) -> str:
+    return {True: "yes", False: "no"}.get(f, "n/a (CPU)")
+
+
+def why(ranking: dict, cands: list[ts.Candidate]) -> list[str]:
+    """Why the pick won, in the diagnosis's own terms: its verdict beside the runner-up's and the best preset's."""
+    by = {c.short: c for c in cands}
+    if not ranking["pick"]:
+        return []
+    p = by[ranking["pick"]]
+    lines = [f"{p.short} ({p.result['tokens_per_s']:,.0f} tokens/s): {p.result['verdict'] or 'no verdict'}"]
+    others = [s for s in ranking["order"] if s != p.short][:1]
+    b = ranking["best_preset"]
+    if b and b["candidate"] != p.short and b["candidate"] not in others:
+        others.append(b["candidate"])
+    for s in others:
+        o = by[s]
+        lines.append(f"{o.short} ({o.result['tokens_per_s']:,.0f} tokens/s, {o.result['tokens_per_s'] / p.result['tokens_per_s']:.0%} "
+                     f"of the pick): {o.result['verdict'] or 'no verdict'}")
+    return lines
+
+
+def markdown(led: dict) -> str:
+    """tune.md: the pick as YAML, the finding, why, the ranking table, what was pruned or not measured."""
+    lines = [f"# Tune ledger: {led['run_name']}", "",
+             f"- date: {led['date']}; host: {led['host']}; {led['world_size']} rank(s), {led['backend']}; model {led['model']}",
+             f"- global batch {led['global_batch_size']}, cutoff_len {led['cutoff_len']}; each candidate a dry-run of "
+             f"{led['dryrun_steps']} steps ({led['warmup_steps']} warm-up); memory budget "
+             f"{str(led['memory_budget_gib']) + ' GiB per GPU' if led['memory_budget_gib'] else 'not checked (CPU)'}; "
+             f"time budget {fmt_s(led['budget_s']) if led['budget_s'] else 'none'}; searched in {fmt_s(led['elapsed_s'])}",
+             "- speed levers (attention, Liger, fused LoRA, compile) at the config's values: not an axis of the search", "",
+             "## The pick", "", "```yaml", led["snippet"].rstrip(), "```", "", f"**Finding:** {led['finding']}", ""]
+    if led["why"]:
+        lines += ["## Why (the dry-run's verdicts)", ""] + [f"- {w}" for w in led["why"]] + [""]
+    lines += ["## Ranking (tokens/s at the median step, all ranks)", "",
+              "| order | candidate | presets | tokens/s (p10-p90) | s/step | peak memory | fits | GPU busy | MFU | verdict |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {c["short"]: c for c in led["candidates"]}
+    for i, s in enumerate(led["ranking"]["order"], 1):
+        c, r = by[s], by[s]["result"]
+        mem = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") else (f"{r['peak_rss_mib']:,} MiB RSS" if r.get("peak_rss_mib") else "-")
+        busy = f"{r['gpu_busy_pct']:.0f}%" if r.get("gpu_busy_pct") is not None else "-"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        mark = " **pick**" if s == led["ranking"]["pick"] else ""
+        lines.append(f"| {i} | {c['label']}{mark} | {', '.join(c['presets']) or '-'} | {r['tokens_per_s']:,.0f} "
+                     f"({r['tokens_per_s_p10']:,.0f}-{r['tokens_per_s_p90']:,.0f}) | {r['s_per_step']:.3f} | {mem} "
+                     f"| {fits_word(r['fits'])} | {busy} | {mfu} | {r.get('bottleneck') or '-'} |")
+    rest = [c for c in led["candidates"] if c["status"] != "measured"]
+    if rest:
+        lines += ["", "## Not ranked", "", "| candidate | presets | status | why |", "| --- | --- | --- | --- |"]
+        lines += [f"| {c['label']} | {', '.join(c['presets']) or '-'} | {c['status']} | {c['reason']} |" for c in rest]
+    if led.get("plot"):
+        lines += ["", f"![tokens/s (p10-p90) and peak memory per candidate]({Path(led['plot']).name})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(cands: list[ts.Candidate], png: Path, title: str) -> Path | None:
+    """tune.png through plots.dryrun_plot (tokens/s with p10-p90 bars, peak memory); None with a
+    warning when it cannot be drawn (matplotlib missing): a picture never costs the ledger."""
+    rows = [{**c.result, "preset": c.short,
+             "memory_mib": [{"peak_allocated": (c.result.get("peak_gib") or 0) * 1024, "peak_rss": c.result.get("peak_rss_mib")}]}
+            for c in cands if c.status == "measured"]
+    try:
+        from tuneledger.plots import dryrun_plot
+
+        return dryrun_plot(rows, png, title)
+    except Exception as e:  # noqa: BLE001
+        print(f"WARNING: no picture {png}: {type(e).__name__}: {e}; the ledger is written without it", file=sys.stderr)
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from tuneledger.model import locate_model
+    from tuneledger.preflight_checks import check_data
+
+    budget_s = ts.parse_budget(args.budget)
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        raise ConfigError(f"--memory-gib {args.memory_gib:g}: must be above 0 (GiB per GPU)")
+    base = from_cli(args.items)
+    steps_given = "dryrun_steps" in parse_overrides([i for i in args.items if "=" in i])
+    cpu, nproc = processes(args.cpu, args.nproc)
+    world = nproc
+    items = base_items(args.items, steps_given)
+    if base.batch_from_accumulation:  # LLaMA-Factory's accumulation: fix its global batch, as the dry-run does
+        items += [f"global_batch_size={resolve(base, world).global_batch_size}", "gradient_accumulation_steps=null"]
+    cfg = from_cli(items)  # the job every candidate shares: a bad key fails here, before any run
+    gb = cfg.global_batch_size
+    mbs = ts.parse_micro_batches(args.micro_batches, gb, world)
+    space = ts.build_space(gb, world, cfg.cutoff_len, mbs, ts.parse_switch(args.gc, "gc"), ts.parse_switch(args.packing, "packing"))
+    locate_model(cfg.model_name_or_path)
+    check_data(cfg)
+    budget_gib = None if cpu else (args.memory_gib or card_memory_gib(nproc))
+    tune_dir = cfg.out_dir / "tune"
+    tune_dir.mkdir(parents=True, exist_ok=True)
+    print(f"tune: {len(space)} candidates at global batch {gb} on {world} rank(s){' (CPU: memory not checked)' if cpu else ''}; "
+          f"memory budget {f'{budget_gib:g} GiB per GPU' if budget_gib else 'none'}; time budget "
+          f"{fmt_s(budget_s) if budget_s else 'none'}; each a dry-run of {cfg.dryrun_steps} steps", flush=True)
+    try:
+        info = search(space, items, args, cpu, nproc, tune_dir, budget_s, budget_gib)
+    except KeyboardInterrupt:
+        print("\ninterrupted: writing the tune ledger of the candidates measured so far", flush=True)
+        info = {"pruned": [], "elapsed_s": 0.0}
+        for c in space:
+            if c.status == "planned":
+                c.status, c.reason = "not measured", "interrupted"
+    ranking = ts.rank(space)
+    pick = next((c for c in space if c.short == ranking["pick"]), None)
+    led: dict[str, Any] = {
+        "run_name": cfg.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+        "model": cfg.model_name_or_path, "world_size": world, "backend": "gloo" if cpu else "nccl",
+        "global_batch_size": gb, "cutoff_len": cfg.cutoff_len, "dryrun_steps": cfg.dryrun_steps,
+        "warmup_steps": cfg.dryrun_warmup_steps, "memory_budget_gib": budget_gib, "budget_s": budget_s,
+        "elapsed_s": info["elapsed_s"], "micro_batches": mbs, "candidates": [c.as_dict() for c in space],
+        "pruned": info["pruned"], "not_measured": [c.short for c in space if c.status == "not measured"],
+        "ranking": ranking, "pick": pick.as_dict() if pick else None,
+        "snippet": ts.snippet(pick, gb, world, budget_gib) if pick else "# no measured candidate fits\n",
+        "finding": ts.finding(ranking, space), "why": why(ranking, space),
+    }
+    png = plot(space, tune_dir / "tune.png", f"tune {cfg.run_name}: {world} rank(s), global batch {gb}")
+    if png:
+        led["plot"] = str(png)
+    ledger.write(tune_dir, "tune", led, markdown(led))
+    print("\n" + markdown(led).split("## The pick", 1)[1].split("\n![", 1)[0].strip())
+    print(f"wrote {tune_dir / 'tune.json'}, {tune_dir / 'tune.md'}{', ' + str(png) if png else ''}")
+    return 0 if pick else 1
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("tune", help="search micro-batch x checkpointing x packing by short dry-runs: the fastest that fits")
+    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
+    p.add_argument("--memory-gib", type=float, help="per-GPU memory budget in GiB (default: the card's own memory)")
+    p.add_argument("--budget", help="time budget of the search: 90s, 10m, 1h (default: none)")
+    p.add_argument("--micro-batches", help="micro-batches to search, e.g. 1,2,4,8 (default: 1, 2, 4, ... dividing global/world)")
+    p.add_argument("--gc", default="both", help="gradient checkpointing searched: on, off or both (default both)")
+    p.add_argument("--packing", default="both", help="packing searched: on, off or both (default both)")
+    p.set_defaults(func=run)

@@ -1,0 +1,280 @@
+"""The search space of `tuneledger tune` and its rules, with no measuring: the candidates
+(micro-batch x gradient checkpointing x packing at the fixed global batch, presets A-D among them),
+their memory estimate and order, the pruning against a per-GPU memory budget, the time budget's
+parsing, and the ranking of measured candidates (ties by ledger.overlap, as the dry-run's finding).
+
+Units: memory in GiB per GPU (rank), time in seconds, speed in tokens/s (all ranks together).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tuneledger import ledger
+from tuneledger.config import DDP_PRESETS, PRESETS, ConfigError
+
+# Activation memory without gradient checkpointing, per token, against with it: a checkpointed
+# layer keeps its input only; an unchecked one keeps every intermediate (attention and MLP). A
+# rough factor, used to order candidates and, before two of a kind are measured, to scale.
+GC_OFF_FACTOR = 6.0
+# The keys a candidate sets; the user's own values of them are replaced by the candidate's.
+SPACE_KEYS = ("per_device_train_batch_size", "gradient_checkpointing", "packing", "gradient_accumulation_steps", "preset")
+
+
+@dataclass
+class Candidate:
+    """One point of the space: micro-batch (sequences per rank per forward), gradient
+    checkpointing, packing; `accumulation` is derived (global batch / (micro-batch x world size)).
+    `presets` names the presets A-D whose resolved settings are this point."""
+
+    micro_batch: int
+    gradient_checkpointing: bool
+    packing: bool
+    accumulation: int
+    presets: list[str] = field(default_factory=list)
+    units: float = 0.0  # memory estimate in relative units: micro-batch x cutoff_len x (GC off factor)
+    status: str = "planned"  # planned, measured, pruned, not measured, failed, out of memory
+    reason: str = ""
+    result: dict = field(default_factory=dict)  # the measured numbers (tune.measure_row)
+
+    @property
+    def key(self) -> tuple[int, bool, bool]:
+        return (self.micro_batch, self.gradient_checkpointing, self.packing)
+
+    @property
+    def label(self) -> str:
+        return (f"mb {self.micro_batch} x acc {self.accumulation}, GC {'on' if self.gradient_checkpointing else 'off'}, "
+                f"{'packed' if self.packing else 'padded'}")
+
+    @property
+    def short(self) -> str:
+        """A name for tables and the plot: 'mb2-gc-pack', with the presets it is ('=B')."""
+        name = f"mb{self.micro_batch}-{'gc' if self.gradient_checkpointing else 'nogc'}-{'pack' if self.packing else 'pad'}"
+        return name + (f" (={'/'.join(self.presets)})" if self.presets else "")
+
+    def overrides(self) -> list[str]:
+        """The key=value items that make a dry-run of this candidate."""
+        return [f"per_device_train_batch_size={self.micro_batch}",
+                f"gradient_checkpointing={str(self.gradient_checkpointing).lower()}", f"packing={str(self.packing).lower()}"]
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "label": self.label, "short": self.short}
+
+
+def parse_budget(text: str | None) -> float | None:
+    """'10m', '90s', '1.5h' or a bare number of seconds, in seconds; None for no budget.
+    Raises ConfigError for anything else or a budget that is not above 0."""
+    if text is None or str(text).strip().lower() in ("", "none"):
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text).lower())
+    if not m:
+        raise ConfigError(f"--budget {text!r}: give a time such as 90s, 10m or 1.5h (s, m, h suffixes; a bare number is seconds)")
+    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    if seconds <= 0:
+        raise ConfigError(f"--budget {text!r}: must be above 0")
+    return seconds
+
+
+def per_rank_batch(global_batch: int, world: int) -> int:
+    """Sequences per rank per optimizer step (global batch / world size); ConfigError if not whole."""
+    if global_batch % world:
+        raise ConfigError(f"global batch {global_batch} is not divisible by world size {world}")
+    return global_batch // world
+
+
+def parse_micro_batches(text: str | None, global_batch: int, world: int) -> list[int]:
+    """The micro-batches to search: `text` ('1,2,4,8'), or by default 1, 2, 4, ... up to global
+    batch / world size, each dividing it. Raises ConfigError for a value that is not a positive
+    whole number or does not divide global batch / world size (accumulation must stay whole)."""
+    per_rank = per_rank_batch(global_batch, world)
+    if text is None:
+        out, m = [], 1
+        while m <= per_rank:
+            if per_rank % m == 0:
+                out.append(m)
+            m *= 2
+        return out
+    values = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ConfigError(f"--micro-batches {text!r}: {part!r} is not a whole number above 0")
+        values.append(int(part))
+    bad = [m for m in values if per_rank % m]
+    if bad:
+        raise ConfigError(f"--micro-batches {text!r}: {', '.join(map(str, bad))} do(es) not divide global batch {global_batch} / "
+                          f"world size {world} = {per_rank}: gradient accumulation would not be whole")
+    return sorted(set(values))
+
+
+def parse_switch(text: str, name: str) -> list[bool]:
+    """'on', 'off' or 'both' (the default) for --gc and --packing: the values searched."""
+    v = str(text).strip().lower()
+    if v not in ("on", "off", "both"):
+        raise ConfigError(f"--{name} {text!r}: give on, off or both")
+    return {"on": [True], "off": [False], "both": [True, False]}[v]
+
+
+def memory_units(micro_batch: int, gradient_checkpointing: bool, cutoff_len: int) -> float:
+    """The activation-memory estimate in relative units (tokens held per rank, GC off weighted by
+    GC_OFF_FACTOR). A padded batch holds at most micro-batch x cutoff_len tokens, a packed one fills
+    it: both get the same bound."""
+    return float(micro_batch * cutoff_len * (1.0 if gradient_checkpointing else GC_OFF_FACTOR))
+
+
+def preset_points(global_batch: int, world: int) -> dict[str, tuple[int, bool, bool] | str]:
+    """Presets A-D resolved at this world size as (micro-batch, GC, packing), or the reason one cannot
+    run (a micro-batch that does not divide global batch / world size). D's micro-batch is capped
+    as config.resolve caps it."""
+    per_rank = per_rank_batch(global_batch, world)
+    out: dict[str, tuple[int, bool, bool] | str] = {}
+    for name in DDP_PRESETS:
+        p = PRESETS[name]
+        mb = p["per_device_train_batch_size"]
+        if name == "D":
+            mb = next((m for m in range(min(mb, per_rank), 0, -1) if per_rank % m == 0), 1)
+        if per_rank % mb:
+            out[name] = f"micro-batch {mb} does not divide global batch {global_batch} / world size {world}"
+        else:
+            out[name] = (mb, p["gradient_checkpointing"], p["packing"])
+    return out
+
+
+def build_space(global_batch: int, world: int, cutoff_len: int, micro_batches: list[int],
+                gc: list[bool], packing: list[bool]) -> list[Candidate]:
+    """Every candidate, presets A-D included (added when the asked space leaves them out), ordered
+    for measuring: the presets first (the pick must be compared with them in the same call), then
+    the rest; each group by memory estimate, smallest first, so the first measurements calibrate
+    the estimate before the large candidates."""
+    per_rank = per_rank_batch(global_batch, world)
+    points = {(m, g, p): [] for m in micro_batches for g in gc for p in packing}
+    for name, pt in preset_points(global_batch, world).items():
+        if isinstance(pt, tuple):
+            points.setdefault(pt, []).append(name)
+    out = [Candidate(m, g, p, per_rank // m, names, memory_units(m, g, cutoff_len)) for (m, g, p), names in points.items()]
+    return sorted(out, key=lambda c: (not c.presets, c.units, c.packing, c.micro_batch))
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(intercept GiB, GiB per unit) of peak memory against units by least squares, both >= 0;
+    None with fewer than two distinct units."""
+    xs = {u for u, _ in points}
+    if len(xs) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(u for u, _ in points) / n, sum(p for _, p in points) / n
+    sxx = sum((u - mx) ** 2 for u, _ in points)
+    slope = max(0.0, sum((u - mx) * (p - my) for u, p in points) / sxx)
+    return max(0.0, my - slope * mx), slope
+
+
+def estimate_gib(c: Candidate, measured: list[Candidate]) -> float | None:
+    """Candidate c's peak memory per GPU (GiB), scaled from the measured peaks: a straight line of
+    peak against memory units through the measured candidates of c's checkpointing setting when two
+    of them differ in micro-batch, else through all of them (GC_OFF_FACTOR carrying it across);
+    None before two measured candidates differ in units."""
+    pts = [(m.units, m.result["peak_gib"]) for m in measured if m.result.get("peak_gib")]
+    same = [(m.units, m.result["peak_gib"]) for m in measured
+            if m.result.get("peak_gib") and m.gradient_checkpointing == c.gradient_checkpointing]
+    line = _fit(same) or _fit(pts)
+    return None if line is None else line[0] + line[1] * c.units
+
+
+def needs_at_least(c: Candidate, other: Candidate) -> bool:
+    """True when c holds at least as much memory as `other`: micro-batch as large, checkpointing
+    off or as other's, packing as other's or on (a packed batch is full)."""
+    return (c.micro_batch >= other.micro_batch and (not c.gradient_checkpointing or other.gradient_checkpointing)
+            and (c.packing or not other.packing))
+
+
+def prune(todo: list[Candidate], done: list[Candidate], budget_gib: float | None) -> list[Candidate]:
+    """Mark (status "pruned", with its reason) and return the candidates of `todo` that cannot fit
+    `budget_gib` per GPU: (1) one that needs at least the memory of a measured candidate that did not
+    fit (certain); (2) one whose estimate scaled from the measured peaks (estimate_gib) exceeds the
+    budget (an estimate). Nothing is pruned without a budget (a CPU run). A preset is pruned by (1)
+    only: the pick is compared with the presets, so an estimate never rules one out."""
+    if budget_gib is None:
+        return []
+    out = []
+    failed = [d for d in done if d.result.get("fits") is False]
+    fitted = [d for d in done if d.status == "measured"]
+    for c in todo:
+        if c.status != "planned":
+            continue
+        worse = next((d for d in failed if needs_at_least(c, d)), None)
+        est = estimate_gib(c, fitted)
+        if worse is not None:
+            peak = worse.result.get("peak_gib")
+            c.reason = (f"needs at least the memory of {worse.short}, which did not fit {budget_gib:g} GiB"
+                        + (f" ({peak:.1f} GiB peak)" if peak else " (out of memory)"))
+        elif est is not None and est > budget_gib and not c.presets:
+            c.reason = (f"estimated {est:.1f} GiB per GPU (scaled from {len(fitted)} measured peaks) > the "
+                        f"{budget_gib:g} GiB budget")
+        else:
+            continue
+        c.status = "pruned"
+        out.append(c)
+    return out
+
+
+def rank(cands: list[Candidate]) -> dict[str, Any]:
+    """The ranking of measured candidates by tokens/s (fastest first), the pick (the fastest that
+    fits; a CPU run's fit is unknown and counts), the candidates tied with it (p10-p90 tokens/s ranges
+    overlap: ledger.overlap) with the steady steps each that would separate them
+    (ledger.steps_to_separate), and the best preset with the pick's speed-up over it."""
+    done = sorted([c for c in cands if c.status == "measured"], key=lambda c: -c.result["tokens_per_s"])
+    fit = [c for c in done if c.result.get("fits") is not False]
+    out: dict[str, Any] = {"order": [c.short for c in done], "pick": None, "ties": [], "best_preset": None}
+    if not fit:
+        return out
+    pick = fit[0]
+    out["pick"] = pick.short
+    for c in fit[1:]:
+        if ledger.overlap(pick.result, c.result):
+            out["ties"].append({"with": c.short, "steps_to_separate": ledger.steps_to_separate(pick.result, c.result)})
+    presets = [c for c in fit if c.presets]
+    if presets:
+        best = presets[0]
+        out["best_preset"] = {"candidate": best.short, "presets": best.presets, "tokens_per_s": best.result["tokens_per_s"],
+                              "speedup": pick.result["tokens_per_s"] / best.result["tokens_per_s"],
+                              "tied": best is pick or ledger.overlap(pick.result, best.result)}
+    return out
+
+
+def finding(ranking: dict, cands: list[Candidate]) -> str:
+    """One sentence: the pick, its speed, its ties (with steps to separate them), and against the best preset."""
+    by = {c.short: c for c in cands}
+    if not ranking["pick"]:
+        return "no measured candidate fits the memory budget: nothing to pick"
+    p = by[ranking["pick"]]
+    text = f"{p.short} is fastest at {p.result['tokens_per_s']:,.0f} tokens/s"
+    if ranking["ties"]:
+        parts = []
+        for t in ranking["ties"]:
+            n = t["steps_to_separate"]
+            sep = ("the same speed" if n is None or n > 100_000 else
+                   f"about {n:,} steady steps each would separate them (dryrun_steps={n + p.result['warmup_steps_excluded']})")
+            parts.append(f"{t['with']} ({by[t['with']].result['tokens_per_s']:,.0f}; {sep})")
+        text += (f", but it ties with {', '.join(parts)}: their p10-p90 ranges overlap over "
+                 f"{p.result['steps_measured']} measured steps; choose among them by memory")
+    b = ranking["best_preset"]
+    if b and b["candidate"] != p.short:
+        text += (f"; {b['speedup']:.2f}x the best preset, {'/'.join(b['presets'])} ({b['tokens_per_s']:,.0f} tokens/s)"
+                 + (", within the spread (a tie)" if b["tied"] else ""))
+    elif b:
+        text += f"; it is preset {'/'.join(b['presets'])}: no point of the space beat it"
+    return text + "."
+
+
+def snippet(c: Candidate, global_batch: int, world: int, budget_gib: float | None) -> str:
+    """The winning settings as YAML to paste into a training config."""
+    fits = f"fits {budget_gib:g} GiB per GPU" if budget_gib else "memory not checked (CPU)"
+    return "\n".join([
+        f"# tuneledger tune: fastest measured setting ({c.result['tokens_per_s']:,.0f} tokens/s on {world} rank(s); {fits})",
+        f"global_batch_size: {global_batch}",
+        f"per_device_train_batch_size: {c.micro_batch}   # gradient accumulation {c.accumulation} is derived",
+        f"gradient_checkpointing: {str(c.gradient_checkpointing).lower()}",
+        f"packing: {str(c.packing).lower()}",
+    ]) + "\n"
