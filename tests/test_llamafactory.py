@@ -358,3 +358,16 @@ def test_template_line_says_what_renders(tiny_model):
     p = subprocess.run([sys.executable, "-m", "tuneledger", "stats", str(EVAL), f"model_name_or_path={tiny_model}",
                         "dataset=x.json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "template: WARNING llama3 asks for Llama 3" in p.stderr  # at the start, before the data is read
+
+
+def test_a_refusal_says_not_supported_once():
+    """Every refusal reads '<key>: <value> is not supported: <reason or what instead>', with the
+    rule's own opening 'X is not supported' dropped (a fresh-user trial found it said twice)."""
+    from tuneledger.config_load import refusal_text
+    from tuneledger.llamafactory import ONLY, REFUSED
+
+    texts = {k: r.instead for k, r in ONLY.items()} | dict(REFUSED)
+    for key, text in texts.items():
+        line = f"{key}: True is not supported: {refusal_text(key, text)}"
+        assert line.count("not supported") == 1, line
+        assert refusal_text(key, text).strip(), key

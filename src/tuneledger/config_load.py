@@ -112,8 +112,16 @@ def screen_keys(raw: dict[str, Any], where: str, lines: dict[str, int] | None = 
         elif verdict.status == "ignored":
             ignored.append(f"{key}: {verdict.text}")
         else:
-            problems.append(f"{at}: {key}: {value!r} is not supported: {verdict.text}")
+            problems.append(f"{at}: {key}: {value!r} is not supported: {refusal_text(key, verdict.text)}")
     return keep, ignored, problems
+
+
+def refusal_text(key: str, text: str) -> str:
+    """A refusal's reason without its own opening "<key> ... is not supported": the line already
+    says that once ("use_unsloth: True is not supported: ...")."""
+    import re
+
+    return re.sub(rf"^{re.escape(key)}\b[^:;]*? is not supported[:;,]?\s*", "", text) or text
 
 
 def key_lines(path: Path) -> dict[str, int]:

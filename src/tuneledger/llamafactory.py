@@ -132,12 +132,12 @@ ONLY: dict[str, Only] = {
 REFUSED: dict[str, str] = {
     # The field report (seeds/000): ZeRO partitions optimizer state, gradients and weights, and that
     # fights bitsandbytes' 4-bit weights; FSDP2 shards them once they are stored as bf16.
-    "deepspeed": "DeepSpeed ZeRO is not supported: ZeRO and 4-bit (QLoRA) weights do not mix (ZeRO partitions the "
+    "deepspeed": "ZeRO and 4-bit (QLoRA) weights do not mix (ZeRO partitions the "
                  "weights that bitsandbytes packs). Remove deepspeed: pure DDP (presets A-D) keeps one whole 4-bit "
                  "copy per GPU, and preset F (fsdp: full_shard auto_wrap, FSDP2) shards the model over the GPUs when "
                  "one copy does not fit a card",
     # Training only: in export, chat and eval it names the adapter to use (USE_RULES).
-    "adapter_name_or_path": "training from an existing adapter is not supported; to go on training a run, start the "
+    "adapter_name_or_path": "tuneledger does not train on from an existing adapter; to go on training a run, start the "
                             "same run again (it resumes from its last checkpoint)",
     "push_to_hub": "upload runs/<run>/export yourself (huggingface-cli upload)",
 }
