@@ -192,3 +192,44 @@ def test_tune_on_the_cpu_ranks_measured_candidates_and_picks_the_fastest(tmp_pat
     assert "```yaml" in md and "| order | candidate |" in md and "**pick**" in md
     assert p.stdout.count("tune [") >= 12 and "tune [6/6]" in p.stdout and "budget" in p.stdout
     assert (tune / "cand-1" / "dryrun.json").is_file()
+
+
+def fake_row(c: ts.Candidate, peak_mib: float) -> dict:
+    tps = 100.0 * c.micro_batch * (1.1 if not c.gradient_checkpointing else 1.0)
+    return {"tokens_per_s": tps, "tokens_per_step": tps, "s_per_step": 1.0, "steps_measured": 4, "warmup_steps_excluded": 2,
+            "step_spread": {"median": 1.0, "p10": 0.99, "p90": 1.01, "sd": 0.01}, "tokens_per_s_per_gpu": tps, "mfu": 0.3,
+            "memory_mib": [{"peak_allocated": peak_mib, "peak_rss": None}], "gpu_window": {"util_mean_pct": 90.0},
+            "diagnosis": {"bottleneck": "compute-bound", "line": "compute-bound: ...", "lever": "-"}, "eta": {"total_s": 60.0}}
+
+
+def test_the_search_prunes_by_measured_peaks_and_stops_at_the_time_budget(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from tuneledger import tune
+
+    # 10 GiB + 2 GiB per 1024 units: a GC-on micro-batch of 8 at cutoff 1024 needs 26 GiB.
+    def run_candidate(c, k, items, args, cpu, nproc, tune_dir, cap):
+        ran.append(c.key)
+        return fake_row(c, (10 + 2 * c.units / 1024) * 1024), False, "log"
+
+    ran: list = []
+    monkeypatch.setattr(tune, "run_candidate", run_candidate)
+    args = argparse.Namespace(memory_gib=24.0)
+    space = ts.build_space(16, 1, 1024, [1, 2, 4, 8, 16], [True], [False])
+    info = tune.search(space, [], args, False, 1, tmp_path, None, 24.0)
+    by = {c.key: c for c in space}
+    assert by[(8, True, False)].status == by[(16, True, False)].status == "pruned"
+    d = by[(8, False, True)]  # preset D: needs at least C's memory, which did not fit
+    assert d.status == "pruned" and "needs at least the memory of mb2-nogc-pad (=C)" in d.reason
+    assert info["pruned"] == [by[(8, True, False)].short, by[(16, True, False)].short, d.short]
+    assert (8, True, False) not in ran and by[(4, True, False)].result["fits"] is True
+    # Preset C (GC off) was measured: over budget, it is ranked as not fitting.
+    assert by[(2, False, False)].result["fits"] is False and ts.rank(space)["pick"] == by[(4, True, False)].short
+    out = capsys.readouterr().out
+    assert "tune [1/" in out and "pruned mb8-gc-pad: estimated" in out
+
+    ran.clear()
+    space = ts.build_space(16, 1, 1024, [1, 2], [True], [False])
+    tune.search(space, [], args, True, 1, tmp_path, 1e-9, None)  # the budget is spent after the first
+    assert len(ran) == 1 and [c.status for c in space].count("not measured") == len(space) - 1
+    assert "budget ran out" in space[-1].reason

@@ -116,7 +116,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         elapsed = time.monotonic() - t0
         left = None if budget_s is None else budget_s - elapsed
         typical = sum(walls) / len(walls) if walls else 0.0
-        if left is not None and (left <= 0 or (walls and left < typical)):
+        if left is not None and walls and (left <= 0 or left < typical):  # the first always runs
             for rest in cands[k - 1:]:
                 if rest.status == "planned":
                     rest.status, rest.reason = "not measured", (f"the {fmt_s(budget_s)} budget ran out ({fmt_s(max(0, left))} "
