@@ -233,3 +233,15 @@ def test_the_search_prunes_by_measured_peaks_and_stops_at_the_time_budget(tmp_pa
     tune.search(space, [], args, True, 1, tmp_path, 1e-9, None)  # the budget is spent after the first
     assert len(ran) == 1 and [c.status for c in space].count("not measured") == len(space) - 1
     assert "budget ran out" in space[-1].reason
+
+
+def test_a_missing_matplotlib_costs_the_picture_only(tmp_path, monkeypatch, capsys):
+    from tuneledger import tune
+
+    space = ts.build_space(4, 1, 128, [1], [True], [False])
+    measured(space[0], 100, 0.9, 1.1)
+    space[0].result.update(tokens_per_s_p10=90.0, tokens_per_s_p90=110.0, peak_rss_mib=1000)
+    assert tune.plot(space, tmp_path / "t.png", "t", None) == tmp_path / "t.png" and (tmp_path / "t.png").is_file()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert tune.plot(space, tmp_path / "u.png", "t", None) is None
+    assert "WARNING: no picture" in capsys.readouterr().err and not (tmp_path / "u.png").exists()
