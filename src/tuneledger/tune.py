@@ -132,7 +132,8 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         c.result = {"dir": str(tune_dir / f"cand-{k}"), "log": log, "wall_s": walls[-1]}
         if row is None:
             c.status = "out of memory" if oom else "failed"
-            c.reason = (f"out of memory under the {budget_gib:g} GiB cap" if oom else f"the dry-run failed; see {log}")
+            c.reason = (f"the dry-run failed; see {log}" if not oom else
+                        f"out of memory under the {cap:g} GiB cap" if cap else "out of memory on the card")
             c.result["fits"] = False if oom else None
             print(f"tune [{k}/{n}] {c.short}: {c.reason}", flush=True)
             continue
