@@ -147,8 +147,10 @@ NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(
 
 .PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor monitor-up monitor-stop fetch fetch-smollm2 import-gguf image host-dirs compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
+# The target column is as wide as the longest target, plus two blanks (lock-check-quant is 16 characters).
 help: ## list the verbs
-	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_./-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{t[NR] = $$1; d[NR] = $$2; \
+		if (length($$1) > w) w = length($$1)} END {for (i = 1; i <= NR; i++) printf "  make %-" w "s  %s\n", t[i], d[i]}'
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(JOB_MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
 	@echo "  several nodes (train, dryrun): NNODES= NODE_RANK= RDZV_ENDPOINT=host:port MAX_RESTARTS= (docs/multi-node.md)"
 

@@ -1,5 +1,6 @@
 """The Makefile's choices, read from `make -n` (prints the commands, runs nothing)."""
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -112,6 +113,29 @@ def test_local_verbs_echo_the_command_not_a_path_prefix():
     line = verb_line(out, "dryrun")
     assert line.startswith(".venv/bin/tuneledger dryrun ") and "  " not in line  # no runs of blanks
     assert verb_line(make_n("train", "LOCAL=1", "ARGS=default_system='a  b'").stdout, "train").endswith(" default_system='a  b'")
+
+
+def help_targets() -> list[str]:
+    return re.findall(r"^([a-zA-Z0-9_./-]+):.*## ", (ROOT / "Makefile").read_text(), re.M)
+
+
+def unquoted(line: str) -> str:
+    """`line` without its quoted parts: blanks inside quotes are a value's or a message's own."""
+    return re.sub(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", "''", line)
+
+
+def test_help_columns_are_aligned_past_the_longest_target():
+    """Issue 21 (5): `make monitor-stop stop and remove ...`, `make lock-check-quant fail if ...`."""
+    p = subprocess.run(["make", "--no-print-directory", "help", "LOCAL=1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    rows = [ln for ln in p.stdout.splitlines() if ln.startswith("  make ")]
+    targets = help_targets()
+    assert len(rows) == len(targets) and max(map(len, targets)) >= 16  # lock-check-quant
+    column = {re.match(r"  make \S+ +", ln).end() for ln in rows}  # where each description starts
+    assert len(column) == 1, rows
+    width = max(map(len, targets))
+    for target, ln in zip(targets, rows):
+        assert ln.startswith(f"  make {target}  ") and ln[len("  make ") + width + 2] != " ", ln
 
 
 def test_a_misspelt_command_line_variable_is_warned_with_the_close_one():
