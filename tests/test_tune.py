@@ -191,7 +191,7 @@ def test_tune_on_the_cpu_ranks_measured_candidates_and_picks_the_fastest(tmp_pat
     md = (tune / "tune.md").read_text()
     assert "```yaml" in md and "| order | candidate |" in md and "**pick**" in md
     assert p.stdout.count("tune [") >= 12 and "tune [6/6]" in p.stdout and "budget" in p.stdout
-    assert (tune / "cand-1" / "dryrun.json").is_file()
+    assert (tune / "cand-1" / "dryrun.json").is_file() and (tune / "tune.png").is_file() and led["plot"].endswith("tune.png")
 
 
 def fake_row(c: ts.Candidate, peak_mib: float) -> dict:
@@ -245,3 +245,20 @@ def test_a_missing_matplotlib_costs_the_picture_only(tmp_path, monkeypatch, caps
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert tune.plot(space, tmp_path / "u.png", "t", None) is None
     assert "WARNING: no picture" in capsys.readouterr().err and not (tmp_path / "u.png").exists()
+
+
+def test_a_failed_or_out_of_memory_candidate_is_listed_with_why(tmp_path, monkeypatch):
+    import argparse
+
+    from tuneledger import tune
+
+    log = tmp_path / "cand.log"
+    log.write_text("tuneledger dryrun ...\ntuneledger dryrun: config error: boom\n\n")
+    monkeypatch.setattr(tune, "run_candidate", lambda c, k, *a: (None, c.micro_batch > 1, str(log)))
+    space = ts.build_space(2, 1, 128, [1, 2], [True], [False])
+    tune.search(space, [], argparse.Namespace(memory_gib=None), False, 1, tmp_path, None, 80.0)
+    by = {c.key: c for c in space}
+    assert by[(1, True, False)].status == "failed" and "config error: boom" in by[(1, True, False)].reason
+    assert by[(2, True, False)].status == "out of memory" and by[(2, True, False)].reason == "out of memory on the card"
+    assert by[(2, False, True)].status == "pruned"  # preset D needs at least B's memory, which did not fit
+    assert ts.rank(space)["pick"] is None and ts.finding(ts.rank(space), space).startswith("no measured candidate fits")

@@ -98,7 +98,7 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
 def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
            tune_dir: Path, budget_s: float | None, budget_gib: float | None) -> dict:
     """Measure the candidates in order, pruning before each and stopping at the time budget.
-    Returns what happened: pruned (with reasons), elapsed seconds, the budget found on the card."""
+    Returns the names of the pruned candidates (each one's reason is on it) and the elapsed seconds."""
     t0 = time.monotonic()
     walls: list[float] = []
     pruned: list[ts.Candidate] = []
@@ -132,7 +132,8 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         c.result = {"dir": str(tune_dir / f"cand-{k}"), "log": log, "wall_s": walls[-1]}
         if row is None:
             c.status = "out of memory" if oom else "failed"
-            c.reason = (f"the dry-run failed; see {log}" if not oom else
+            last = next((ln for ln in reversed(Path(log).read_text().splitlines()) if ln.strip()), "")[-300:]
+            c.reason = (f"the dry-run failed ({last}); see {log}" if not oom else
                         f"out of memory under the {cap:g} GiB cap" if cap else "out of memory on the card")
             c.result["fits"] = False if oom else None
             print(f"tune [{k}/{n}] {c.short}: {c.reason}", flush=True)
