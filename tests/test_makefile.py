@@ -124,6 +124,33 @@ def unquoted(line: str) -> str:
     return re.sub(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", "''", line)
 
 
+@pytest.mark.parametrize("docker", [False, True], ids=["LOCAL=1", "container"])
+def test_no_verb_echoes_runs_of_blanks(tmp_path, docker):
+    """Issue 21 (6): an unset variable left two blanks in make's echo (`tuneledger export runs/r  `).
+    Every target `make help` lists, with the optional variables unset and set, in the host venv and
+    through Compose: no run of blanks between words and none at the end, outside quotes."""
+    env = fake_docker(tmp_path, compose_v2=True) if docker else {}
+    local = [] if docker else ["LOCAL=1"]
+    settings = [[], ["RUN=r", "GGUF=x.gguf", "MODEL=m", "DATASET=d.json", "QUANT=awq", "CHECKPOINT=2", "PROMPT=hi",
+                     "OUT=o", "NPROC=2", "PRESET=D", "MAX_STEPS=3", "STEPS=4", "UPGRADE=1", "QUANT_TORCH_INDEX=https://i"]]
+    bad, seen = [], set()
+    for target in help_targets():
+        for extra in settings:
+            p = make_n(target, *local, *extra, env=env)
+            for line in p.stdout.splitlines():
+                seen.add(target)
+                text = unquoted(line).strip("\t")
+                if re.search(r"\S {2,}\S", text) or text != text.rstrip():
+                    bad.append(f"{target} {' '.join(extra)}: {line!r}")
+    assert not bad, "\n".join(bad)
+    assert {"stats", "dryrun", "train", "export", "chat", "eval", "quantize", "import-gguf", "lock"} <= seen
+    # What is kept as given: a value with blanks in it.
+    line = verb_line(make_n("chat", *local, "RUN=r", "PROMPT=a  b", env=env).stdout, "chat")
+    assert line.endswith(' runs/r --prompt "a  b"'), line
+    line = verb_line(make_n("quantize", *local, "RUN=r", "QUANT_ARGS=--samples 8", env=env).stdout, "quantize")
+    assert line.endswith("--scheme awq --samples 8"), line
+
+
 def test_help_columns_are_aligned_past_the_longest_target():
     """Issue 21 (5): `make monitor-stop stop and remove ...`, `make lock-check-quant fail if ...`."""
     p = subprocess.run(["make", "--no-print-directory", "help", "LOCAL=1"], cwd=ROOT, capture_output=True, text=True,
