@@ -1,6 +1,12 @@
 """The modules of tuneledger and their imports, read from the source with `ast`, and their picture.
 
-    python scripts/import_graph.py [OUT.png]     # default docs/architecture.png
+    python3 scripts/import_graph.py [OUT.png]    # the picture, default docs/architecture.png
+    python3 scripts/import_graph.py --text       # the graph as text: each module and what it imports
+
+Any Python 3.9+ runs it: reading the imports needs the standard library only (ast), so --text works
+with the system python3. The picture needs matplotlib and networkx, imported only to draw; without
+them it says so and how to get them (the project's .venv has both: .venv/bin/python
+scripts/import_graph.py).
 
 Every import counts, at module level or inside a function (the verbs import torch and friends
 late, so `tuneledger --help` stays fast; a late import is still a dependency). The verbs are the
@@ -94,6 +100,28 @@ def layout(g, verb_modules: list[str]) -> dict[str, tuple[float, float]]:
     return {n: ((i - (len(ns) - 1) / 2) / widest, -r) for r, ns in rows.items() for i, n in enumerate(ns)}
 
 
+DRAWING = ("matplotlib", "networkx")
+
+
+def missing_for_drawing() -> list[str]:
+    """The packages the picture needs that this Python cannot import."""
+    import importlib.util
+
+    return [m for m in DRAWING if importlib.util.find_spec(m) is None]
+
+
+def as_text(graph: dict[str, dict[str, int]], verb_modules: list[str]) -> str:
+    """One line per module: its kind (the command, a verb, the core) and the modules it imports."""
+    def kind(n: str) -> str:
+        return "command" if n in ENTRY else "verb" if n in verb_modules else "core"
+
+    short = lambda n: n.removeprefix("tuneledger.")  # noqa: E731
+    width = max(len(short(n)) for n in graph)
+    lines = [f"{short(n):<{width}}  {kind(n):<7}  -> {', '.join(short(d) for d in sorted(graph[n])) or '-'}"
+             for n in sorted(graph)]
+    return "\n".join(lines)
+
+
 def draw(graph: dict[str, dict[str, int]], verb_modules: list[str], out: Path) -> None:
     """The modules as dots in rows (`layout`), coloured by kind: the command, the verbs, the core."""
     import matplotlib
@@ -128,7 +156,25 @@ def draw(graph: dict[str, dict[str, int]], verb_modules: list[str], out: Path) -
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "architecture.png"
+def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if argv[:1] == ["--text"]:
+        print(as_text(read_graph(), verbs()))
+        return 0
+    target = Path(argv[0]) if argv else ROOT / "docs" / "architecture.png"
+    missing = missing_for_drawing()
+    if missing:
+        print(f"import_graph: drawing {target} needs {' and '.join(missing)}, which {sys.executable} cannot import. "
+              f"Run it with the project's venv, which has them ({ROOT / '.venv' / 'bin' / 'python'} {Path(__file__).resolve()}; "
+              f"`make venv` makes it), or install them ({sys.executable} -m pip install {' '.join(missing)}). "
+              "`--text` lists the graph with the standard library alone.", file=sys.stderr)
+        return 1
     draw(read_graph(), verbs(), target)
     print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
