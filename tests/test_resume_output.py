@@ -40,3 +40,18 @@ def test_resuming_is_said_once(resumed):
     _, out = resumed
     lines = [ln for ln in out.splitlines() if ln.startswith("resuming from")]
     assert len(lines) == 1, lines
+
+
+def test_the_logs_rate_counts_from_the_resumed_step():
+    """eta_h divides the time since the last log by the steps since it: after a resume the first
+    log's steps are counted from the checkpoint's step, not from 0."""
+    import types
+
+    import torch
+
+    from tuneledger.trainer import TokenSnapshot
+
+    trainer = types.SimpleNamespace(tokens=torch.tensor(12_345), _log_tokens=0, _log_time=0.0, _log_step=0,
+                                    step_tokens=[], step_losses=[], loss_sum=torch.zeros(()))
+    TokenSnapshot(trainer).on_train_begin(None, types.SimpleNamespace(global_step=500), None)
+    assert trainer._log_step == 500 and trainer._log_tokens == 12_345 and trainer._log_time > 0

@@ -173,6 +173,12 @@ class TokenSnapshot(TrainerCallback):
     def __init__(self, trainer: LedgerTrainer):
         self.trainer = trainer
 
+    def on_train_begin(self, args, state, control, **kw):
+        # A resume starts at the checkpoint's step: the logs' rate and eta_h count from here, not
+        # from step 0 (which made the first eta_h after a resume read 11 s for 38).
+        t = self.trainer
+        t._log_tokens, t._log_time, t._log_step = int(t.tokens.item()), time.perf_counter(), state.global_step
+
     def on_step_end(self, args, state, control, **kw):
         self.trainer.step_tokens.append(self.trainer.tokens.clone())
         self.trainer.step_losses.append(self.trainer.loss_sum.clone())
