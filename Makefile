@@ -1,6 +1,6 @@
 # tuneledger: measure, then fine-tune. `make help` lists the verbs.
 #
-# Settings (all optional):  CONFIG=configs/x.yaml  PRESET=A|B|C|D|all  MODEL=<hub id or dir>
+# Settings (all optional):  CONFIG=configs/x.yaml  PRESET=A|B|C|D|F|all  MODEL=<hub id or dir>
 #   DATASET=a.json,b.jsonl  RUN=<run name>  MAX_STEPS=N  STEPS=N (dry-run)  NPROC=N  ARGS="key=value ..."
 #   Several nodes (train, dryrun; docs/multi-node.md): NNODES=N NODE_RANK=R RDZV_ENDPOINT=host:port [MAX_RESTARTS=3]
 SHELL := /bin/bash
@@ -213,10 +213,10 @@ MODEL_DEP = $(if $(filter models/synthetic-%,$(patsubst ./%,%,$(JOB_MODEL))),$(p
 stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
 	$(strip $(TL) stats $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES))$(WITH_ARGS)
 
-dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D)
+dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D, and F when none fits 24 GB)
 	$(strip $(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES))$(WITH_ARGS)
 
-train: $(ENV_DEP) $(MODEL_DEP) ## the full DDP run; resumes from the last checkpoint (PRESET=A|B|C|D)
+train: $(ENV_DEP) $(MODEL_DEP) ## the full run (DDP; F: FSDP2); resumes from the last checkpoint (PRESET=A|B|C|D|F)
 	$(strip $(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES))$(WITH_ARGS)
 
 # `make whatif RUN=<run>`: that run's dry-run ledger on other GPUs (docs/whatif.md); the box is
