@@ -126,3 +126,17 @@ def test_sigterm_as_torchrun_starts_reaches_the_ranks_and_is_said(tmp_path, tiny
     assert line.endswith(": nothing was trained and no checkpoint was saved; the same command starts it.")
     assert "step 1/4" not in out and not list(run.glob("checkpoint-*")) and not (run / "train.json").exists()
     assert "worker error" not in err  # the ranks died of the SIGTERM passed on to them, not of an error
+
+
+HELD_IN_DRYRUN_PREPARATION = HELD_IN_PREPARATION.replace("tuneledger.train as train", "tuneledger.dryrun as train")
+
+
+def test_a_signal_while_the_dryrun_prepares_says_nothing_was_measured(tmp_path, tiny_model, data):
+    run = tmp_path / "run"
+    proc = start([sys.executable, "-c", HELD_IN_DRYRUN_PREPARATION, "dryrun", *train_args(tiny_model, run, data)[1:]])
+    out, err, rc = signal_at(proc, "PREPARING", signal.SIGTERM)
+    assert rc == 143, out[-2000:] + err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "tuneledger dryrun: stopped by SIGTERM before any preset ran, while preparing the checks and the data: nothing "
+        "was measured and the last ledger is unchanged; the same command starts it again"), err[-3000:]
+    assert "Traceback" not in err and not (run / "dryrun.json").exists()

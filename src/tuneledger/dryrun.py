@@ -29,7 +29,7 @@ from tuneledger import ledger
 from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
-from tuneledger.launch import processes, run_workers, used_gpus
+from tuneledger.launch import BeforeRanks, StoppedBeforeStart, processes, run_workers, used_gpus
 from tuneledger.ledger import CAP_24GB_GIB
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.preflight_checks import check_data
@@ -267,6 +267,20 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
 
 
 def run(args: argparse.Namespace) -> int:
+    # A stop signal while the checks and the data are prepared is said, not a silent exit 143 (as
+    # train does); from the first preset on, run_workers' handlers and the partial ledger take over.
+    with BeforeRanks() as before:
+        try:
+            return _run(args, before)
+        except StoppedBeforeStart as stop:
+            before.restore()
+            print(f"tuneledger dryrun: stopped by {stop.name} before any preset ran, while preparing the checks and the "
+                  "data: nothing was measured and the last ledger is unchanged; the same command starts it again",
+                  file=sys.stderr, flush=True)
+            return 128 + stop.signum
+
+
+def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     startup = {"python_start_s": eta_.process_age_s()}
     base = from_cli(args.items)
     nodes = from_args(args)
@@ -312,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
 
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
+    before.restore()  # the presets' own stop (run_workers) and the partial ledger from here
     try:
         measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes,
                         eval_prep.path if eval_prep else None, startup)
