@@ -14,7 +14,7 @@ KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES 
 	MAX_RESTARTS LOCAL CHECKPOINT OUT PROMPT QUANT QUANT_ARGS INTERVAL PYTEST_ARGS UPGRADE BENCH_RUNS \
 	GGUF DEADLINE CAP PYTHON VENV VENV_TORCH TORCH_CPU_INDEX PYTHON_QUANT VENV_QUANT QUANT_TORCH_INDEX SYNTH \
 	DRYRUN_PRESET COMPOSE COMPOSE_FILE TUNELEDGER_GPU HOST_UID HOST_GID MEMLOCK MODELS_DIR DATA_DIR \
-	RUNS_DIR CACHE_DIR
+	RUNS_DIR CACHE_DIR BUDGET
 PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
 	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL
 UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(PASSED_VARS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
@@ -221,7 +221,10 @@ train: $(ENV_DEP) $(MODEL_DEP) ## the full run (DDP; F: FSDP2); resumes from the
 
 # `make whatif RUN=<run>`: that run's dry-run ledger on other GPUs (docs/whatif.md); the box is
 # 8x4090-pcie unless ARGS="--gpus 4xA100-80g-nvlink" (or a YAML) says another; PRESET= picks one.
-.PHONY: whatif
+.PHONY: whatif tune
+tune: $(ENV_DEP) $(MODEL_DEP) ## the fastest micro-batch x GC x packing that fits, by short dry-runs (BUDGET=10m; ARGS="--memory-gib 24")
+	$(strip $(TL) tune $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(if $(BUDGET),--budget $(BUDGET)) $(OVERRIDES))$(WITH_ARGS)
+
 whatif: $(ENV_DEP) ## predict RUN's dry-run on other GPUs: s/step, tokens/s, memory, 24 GB fit, ETA (ARGS="--gpus 8xH100-sxm")
 	$(strip $(TL) whatif $(RUN_DIR)/dryrun.json --gpus 8x4090-pcie $(if $(PRESET),--preset $(PRESET)))$(WITH_ARGS)
 
