@@ -121,14 +121,16 @@ def test_collapse_warns_and_the_run_goes_on(tmp_path, tiny_model, data):
 
 
 # ----------------------------------------------------------------------------- items 4, 9, 10
-def test_sigterm_saves_and_exits_0_and_a_second_run_is_refused(tmp_path, tiny_model, data):
-    run = tmp_path / "run"
-    a = args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=300")
+def sigterm_mid_run(tmp_path, tiny_model, data, run: Path, *extra: str) -> Path:
+    """A 40-step run stopped by SIGTERM after its first logged step, a second run into the same
+    folder refused while it runs. Asserts the clean stop (exit 0, one sealed checkpoint holding
+    every step so far, the lock released); returns that checkpoint. Also run under preset F."""
+    a = args(tiny_model, data, run, *extra, "max_steps=40", "save_steps=100", "stop_grace_period_s=300")
     first = start(*a, out=tmp_path / "first.out")
     try:
         wait_for_first_step(run)
         job = (run / "job.json").read_text()
-        second = tl(*args(tiny_model, data, run, "max_steps=40", "learning_rate=1e-3"))
+        second = tl(*args(tiny_model, data, run, *extra, "max_steps=40", "learning_rate=1e-3"))
         assert second.returncode == 1 and f"is in use by pid {first.pid}" in second.stderr
         assert (run / "job.json").read_text() == job  # the first run's job was not overwritten
         first.send_signal(signal.SIGTERM)
@@ -143,7 +145,13 @@ def test_sigterm_saves_and_exits_0_and_a_second_run_is_refused(tmp_path, tiny_mo
     step = int(ckpts[0].name.split("-")[1])
     assert 1 <= step < 40 and [h["step"] for h in logged(ckpts[0])] == list(range(1, step + 1))
     assert (run / "run.lock").read_text() == ""  # released
+    return ckpts[0]
 
+
+def test_sigterm_saves_and_exits_0_and_a_second_run_is_refused(tmp_path, tiny_model, data):
+    run = tmp_path / "run"
+    ckpt = sigterm_mid_run(tmp_path, tiny_model, data, run)
+    ckpts, step = [ckpt], int(ckpt.name.split("-")[1])
     resumed = tl(*args(tiny_model, data, run, f"max_steps={step + 1}", "save_steps=100"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from {ckpts[0]}" in resumed.stdout

@@ -183,11 +183,8 @@ def test_the_ledger_puts_ddp_beside_f_per_gpu():
 def test_under_f_the_guards_work_as_under_ddp(tmp_path, tiny_model):
     """The NaN guard, SIGTERM's save, the run lock and a resume after it, as test_faults_e2e runs
     them under DDP, with preset F (micro-batch 1: 8 records, global batch 2 on 2 ranks)."""
-    import signal
-
-    from test_faults_e2e import args, logged, start, wait_for_first_step
+    from test_faults_e2e import args, logged, sigterm_mid_run
     from test_faults_e2e import tl as tl_faults
-    from tuneledger.checkpoints import problem
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join((ROOT / "src/tuneledger/data/demo.jsonl").read_text().splitlines(keepends=True)[:8]))
@@ -200,21 +197,8 @@ def test_under_f_the_guards_work_as_under_ddp(tmp_path, tiny_model):
     assert sorted(c.name for c in nan.glob("checkpoint-*")) == ["checkpoint-2"]
 
     run = tmp_path / "run"
-    a = args(tiny_model, data, run, *f, "max_steps=40", "save_steps=100", "stop_grace_period_s=300")
-    first = start(*a, out=tmp_path / "first.out")
-    try:
-        wait_for_first_step(run)
-        second = tl_faults(*args(tiny_model, data, run, *f, "max_steps=40"))
-        assert second.returncode == 1 and f"is in use by pid {first.pid}" in second.stderr
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=600) == 0
-    finally:
-        if first.poll() is None:
-            first.kill()
-    out = (tmp_path / "first.out").read_text()
-    assert "stopped by SIGTERM after step" in out, out[-3000:]
-    ckpts = list(run.glob("checkpoint-*"))
-    assert len(ckpts) == 1 and problem(ckpts[0]) is None
+    ckpt = sigterm_mid_run(tmp_path, tiny_model, data, run, *f)
+    ckpts = [ckpt]
     step = int(ckpts[0].name.split("-")[1])
     # resumed under DDP (preset B at the same global batch): the settings that matter are the same
     resumed = tl_faults(*args(tiny_model, data, run, "preset=B", "per_device_train_batch_size=1", "report_to=none",
