@@ -102,3 +102,15 @@ def test_markdown_puts_ddp_beside_f_per_gpu_when_memory_was_measured():
                    "global_batch_size": 16, "data_hash": "abc", "versions": {}, "dryrun_steps": 9, "config": {}})
     assert "## Per-GPU peak: DDP (one whole copy per GPU) against F (sharded), GiB" in md
     assert "| A | 26.1 | 26.1 | 15.2 | 9.7 | 7.0 |" in md and "F's per-GPU peak at N GPUs" in md
+
+
+def test_what_a_longer_dry_run_would_tell_about_a_tie():
+    same = ledger.separation(row("A", 100.0, 80, 84), row("B", 100.0, 80, 84), "A", "B")
+    assert same.startswith("they run at the same speed")
+    far = ledger.separation(row("A", 100.0, 60.0, 100.0), row("B", 100.01, 60.0, 100.0), "A", "B")
+    assert far.startswith("they run at the same speed")  # over 10,000 steps: no practical run
+    near = ledger.separation(row("A", 266.0, 30.0, 32.5), row("C", 265.0, 30.2, 32.6), "A", "C")
+    assert near.startswith("about ") and "would separate A from C" in near
+    # already apart by 2 standard errors over the steps measured, yet inside the spread
+    a, b = row("A", 100.0, 0.070, 0.090, steps=400, sd=0.002), row("B", 103.0, 0.068, 0.088, steps=400, sd=0.002)
+    assert "already differ by 2 standard errors over these 400 steps" in ledger.separation(a, b, "A", "B")

@@ -145,15 +145,10 @@ def finding(rows: list[dict]) -> str | None:
     if tied:
         # The measured spread cannot order them: saying "fastest" would be noise read as a result.
         names = " and ".join(", ".join(r["preset"] for r in [best, *tied]).rsplit(", ", 1))
-        need = ledger.steps_to_separate(best, tied[0])
         speeds = " / ".join(format(r["tokens_per_s"], ",.0f") for r in [best, *tied])
         text = (f"presets {names} tie at {speeds} tokens/s: "
-                f"their p10-p90 ranges overlap over {best['steps_measured']} measured steps")
-        if need is None or need > 100_000:
-            text += "; they run at the same speed"
-        else:
-            text += (f"; about {need:,} steady steps each would separate {best['preset']} from {tied[0]['preset']} "
-                     f"(2 standard errors of the mean step time: dryrun_steps={need + best['warmup_steps_excluded']})")
+                f"their p10-p90 ranges overlap over {best['steps_measured']} measured steps; "
+                + ledger.separation(best, tied[0], best["preset"], tied[0]["preset"]))
         text += "; choose among them by memory or ETA"
     else:
         text = f"preset {best['preset']} is fastest at {best['tokens_per_s']:,.0f} tokens/s"

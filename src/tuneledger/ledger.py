@@ -204,6 +204,22 @@ def steps_to_separate(a: dict, b: dict) -> int | None:
     return max(2, math.ceil(4 * (cv(a) ** 2 + cv(b) ** 2) / d**2))
 
 
+def separation(a: dict, b: dict, name_a: str, name_b: str) -> str:
+    """What a longer dry-run would tell about two tied rows (their p10-p90 ranges overlap), from
+    steps_to_separate: the same speed when no practical run would separate them (over 10,000
+    steady steps, or equal means); a small real difference when their means already differ by 2
+    standard errors over the steps measured; else the steady steps (and dryrun_steps) it takes."""
+    need = steps_to_separate(a, b)
+    measured = a.get("steps_measured") or 0
+    if need is None or need > 10_000:
+        return "they run at the same speed: no dry-run of a practical length would tell them apart"
+    if need <= measured:
+        return (f"their mean steps already differ by 2 standard errors over these {measured} steps, by less than the "
+                "step-to-step spread: a real but small difference")
+    return (f"about {need:,} steady steps each would separate {name_a} from {name_b} (2 standard errors of the mean "
+            f"step time: dryrun_steps={need + (a.get('warmup_steps_excluded') or 0)})")
+
+
 def run_loss(log_history: list[dict], resumed_step: int = 0) -> dict:
     """The training loss of a whole run from its logged losses (trainer_state's log_history, which a
     resume carries over).

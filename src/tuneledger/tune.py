@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -85,7 +86,18 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            proc.wait()
+        except KeyboardInterrupt:  # tune was stopped: stop the candidate's dry-run (and its ranks) too
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
     led_path = out / "dryrun.json"
     oom = any(out.glob("dryrun/*/oom-rank*.json"))
     row = None
@@ -257,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
     if base.batch_from_accumulation:  # LLaMA-Factory's accumulation: fix its global batch, as the dry-run does
         items += [f"global_batch_size={resolve(base, world).global_batch_size}", "gradient_accumulation_steps=null"]
     cfg = from_cli(items)  # the job every candidate shares: a bad key fails here, before any run
+    if cfg.sharded or base.preset == "F":
+        raise ConfigError("tune searches the DDP settings (micro-batch x gradient checkpointing x packing, presets A-D "
+                          "among them); this config asks for preset F / fsdp. Remove fsdp and preset=F to tune, or "
+                          "measure F with `tuneledger dryrun --preset F`")
     gb = cfg.global_batch_size
     mbs = ts.parse_micro_batches(args.micro_batches, gb, world)
     space = ts.build_space(gb, world, cfg.cutoff_len, mbs, ts.parse_switch(args.gc, "gc"), ts.parse_switch(args.packing, "packing"))
@@ -268,10 +284,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"tune: {len(space)} candidates at global batch {gb} on {world} rank(s){' (CPU: memory not checked)' if cpu else ''}; "
           f"memory budget {f'{budget_gib:g} GiB per GPU' if budget_gib else 'none'}; time budget "
           f"{fmt_s(budget_s) if budget_s else 'none'}; each a dry-run of {cfg.dryrun_steps} steps", flush=True)
+    stopped: list[int] = []
+
+    def as_interrupt(signum, frame):  # SIGTERM and SIGHUP end the search as Ctrl-C does
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    saved = {sig: signal.signal(sig, as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         info = search(space, items, args, cpu, nproc, tune_dir, budget_s, budget_gib)
     except KeyboardInterrupt:
-        print("\ninterrupted: writing the tune ledger of the candidates measured so far", flush=True)
+        name = signal.Signals(stopped[0]).name if stopped else "Ctrl-C"
+        stopped.append(stopped[0] if stopped else signal.SIGINT)
+        print(f"\n{name}: the running candidate was stopped; writing the tune ledger of the candidates measured so far",
+              flush=True)
         info = {"pruned": [], "elapsed_s": 0.0}
         for c in space:
             if c.status == "planned":
@@ -295,6 +321,10 @@ def run(args: argparse.Namespace) -> int:
     ledger.write(tune_dir, "tune", led, markdown(led))
     print("\n" + markdown(led).split("## The pick", 1)[1].split("\n![", 1)[0].strip())
     print(f"wrote {tune_dir / 'tune.json'}, {tune_dir / 'tune.md'}{', ' + str(png) if png else ''}")
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    if stopped:
+        return 128 + int(stopped[-1])  # an interrupted command's code (docs/runs-and-output.md)
     return 0 if pick else 1
 
 

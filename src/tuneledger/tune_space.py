@@ -229,11 +229,14 @@ def rank(cands: list[Candidate]) -> dict[str, Any]:
     out: dict[str, Any] = {"order": [c.short for c in done], "pick": None, "ties": [], "best_preset": None}
     if not fit:
         return out
-    pick = fit[0]
-    out["pick"] = pick.short
-    for c in fit[1:]:
-        if ledger.overlap(pick.result, c.result):
-            out["ties"].append({"with": c.short, "steps_to_separate": ledger.steps_to_separate(pick.result, c.result)})
+    fastest = fit[0]
+    tied = [c for c in fit[1:] if ledger.overlap(fastest.result, c.result)]
+    out["ties"] = [{"with": c.short, "steps_to_separate": ledger.steps_to_separate(fastest.result, c.result)} for c in tied]
+    # Within the spread they are equally fast: the pick is the one of them that needs least memory.
+    pick = min([fastest, *tied], key=memory_gib)
+    out["fastest"], out["pick"] = fastest.short, pick.short
+    if pick is not fastest:
+        out["pick_rule"] = f"the least memory of those tied with the fastest, {fastest.short}"
     presets = [c for c in fit if c.presets]
     if presets:
         best = presets[0]
@@ -243,22 +246,34 @@ def rank(cands: list[Candidate]) -> dict[str, Any]:
     return out
 
 
+def memory_gib(c: Candidate) -> float:
+    """A measured candidate's peak memory per GPU (GiB; a CPU run's peak RSS), inf when unknown."""
+    r = c.result
+    return r.get("peak_gib") or (r.get("peak_rss_mib") or 0) / 1024 or float("inf")
+
+
 def finding(ranking: dict, cands: list[Candidate]) -> str:
     """One sentence: the pick, its speed, its ties (with steps to separate them), and against the best preset."""
     by = {c.short: c for c in cands}
     if not ranking["pick"]:
+        if not any(c.status in ("measured", "out of memory") for c in cands):
+            failed = [c for c in cands if c.status == "failed"]
+            return (f"no candidate was measured: {len(failed)} failed"
+                    + (f" (the first: {failed[0].reason})" if failed else "") + "; nothing to pick")
         return "no measured candidate fits the memory budget: nothing to pick"
-    p = by[ranking["pick"]]
+    p = by[ranking.get("fastest") or ranking["pick"]]
     text = f"{p.short} is fastest at {p.result['tokens_per_s']:,.0f} tokens/s"
     if ranking["ties"]:
         parts = []
         for t in ranking["ties"]:
-            n = t["steps_to_separate"]
-            sep = ("the same speed" if n is None or n > 100_000 else
-                   f"about {n:,} steady steps each would separate them (dryrun_steps={n + p.result['warmup_steps_excluded']})")
+            sep = ledger.separation(p.result, by[t["with"]].result, p.short, t["with"])
             parts.append(f"{t['with']} ({by[t['with']].result['tokens_per_s']:,.0f}; {sep})")
         text += (f", but it ties with {', '.join(parts)}: their p10-p90 ranges overlap over "
-                 f"{p.result['steps_measured']} measured steps; choose among them by memory")
+                 f"{p.result['steps_measured']} measured steps")
+        pick = by[ranking["pick"]]
+        text += (f"; the pick is {pick.short}, the least memory of them ({memory_gib(pick):.1f} GiB)" if pick is not p
+                 else "; it also needs the least memory of them")
+        p = pick
     b = ranking["best_preset"]
     if b and b["candidate"] != p.short:
         text += (f"; {b['speedup']:.2f}x the best preset, {'/'.join(b['presets'])} ({b['tokens_per_s']:,.0f} tokens/s)"
