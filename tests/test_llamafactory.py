@@ -76,7 +76,7 @@ def test_every_problem_is_reported_at_once_naming_line_and_alternative(tmp_path)
     msg = str(e.value)
     assert msg.startswith(f"7 problems in {f}")
     assert f"{f}:3: stage: 'dpo' is not supported: tuneledger does supervised fine-tuning only" in msg
-    assert f"{f}:4: deepspeed:" in msg and "pure DDP" in msg
+    assert f"{f}:4: deepspeed:" in msg and "runs DDP (presets A-D" in msg
     assert f"{f}:5: finetuning_type: 'full'" in msg and "set finetuning_type: lora" in msg
     assert f"{f}:6: unknown key 'lora_rnak'. Did you mean 'lora_rank'?" in msg
     assert "cutoff_len: must be > 0" in msg

@@ -217,3 +217,19 @@ def test_an_fsdp_ledger_is_refused_not_mispredicted(tmp_path):
     path = tmp_path / "dryrun.json"
     path.write_text(json.dumps(led))
     assert cli_rc(["whatif", str(path), "--gpus", "8x4090-pcie"]) == 2
+
+
+def test_steps_against_and_the_edge_of_memory_are_checked():
+    one = str(SCALING / "dryrun-1gpu.json")
+    for flag in ("--steps", "--save-steps"):
+        for v in ("-5", "0"):
+            r = tuneledger(one, "--gpus", "8x4090-pcie", flag, v)
+            assert r.returncode == 2 and f"{flag} {v}: must be a positive number" in r.stderr
+    # an error table against a ledger of other GPUs, or another count, would compare unlike things
+    r = tuneledger(one, "--gpus", "8x4090-pcie", "--against", str(SCALING / "dryrun-2gpu.json"))
+    assert r.returncode == 2 and "was measured on 2 x NVIDIA H200" in r.stderr and "8 x NVIDIA GeForce RTX 4090" in r.stderr
+    r = tuneledger(one, "--gpus", "2xH200-sxm", "--against", str(SCALING / "dryrun-2gpu.json"))
+    assert r.returncode == 0 and "(predicted - measured) / measured" in r.stdout
+    # D on 8 x 4090 comes within the memory model's error of the 23 GiB usable: said, not a plain "fits"
+    r = tuneledger(one, "--gpus", "8x4090-pcie", "--preset", "D")
+    assert "fits, BORDERLINE" in r.stdout and "predicted for 8 x NVIDIA GeForce RTX 4090 (not measured)" in r.stdout

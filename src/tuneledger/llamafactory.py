@@ -132,10 +132,10 @@ ONLY: dict[str, Only] = {
 REFUSED: dict[str, str] = {
     # The field report (seeds/000): ZeRO partitions optimizer state, gradients and weights, and that
     # fights bitsandbytes' 4-bit weights; FSDP2 shards them once they are stored as bf16.
-    "deepspeed": "ZeRO and 4-bit (QLoRA) weights do not mix (ZeRO partitions the "
-                 "weights that bitsandbytes packs). Remove deepspeed: pure DDP (presets A-D) keeps one whole 4-bit "
-                 "copy per GPU, and preset F (fsdp: full_shard auto_wrap, FSDP2) shards the model over the GPUs when "
-                 "one copy does not fit a card",
+    "deepspeed": "remove deepspeed: tuneledger runs DDP (presets A-D, one whole copy per GPU) or FSDP2 (preset F, "
+                 "fsdp: full_shard auto_wrap, the model sharded over the GPUs when one copy does not fit a card), not "
+                 "DeepSpeed; with quantization_bit: 4 ZeRO would not work at all: ZeRO and 4-bit (QLoRA) weights do not "
+                 "mix (ZeRO partitions the weights that bitsandbytes packs)",
     # Training only: in export, chat and eval it names the adapter to use (USE_RULES).
     "adapter_name_or_path": "tuneledger does not train on from an existing adapter; to go on training a run, start the "
                             "same run again (it resumes from its last checkpoint)",
