@@ -159,7 +159,6 @@ def test_f_matches_ddp_and_resumes_ddp_f_ddp(tmp_path, tiny_model):
 
 
 def test_the_ledger_puts_ddp_beside_f_per_gpu():
-    from tuneledger.dryrun_report import markdown  # noqa: F401  (the section renders from these fields)
     from tuneledger.sharding import peak_by_world
 
     # A 7B-like DDP row: 5.5 GiB of 4-bit weights, 40M LoRA parameters, 9 GiB peak on one GPU.

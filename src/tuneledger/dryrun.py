@@ -374,7 +374,7 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
         if picture(plot, samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],
                    title=f"dry-run {base.run_name}: {world} x GPU"):
             led["plot"] = str(png)
-    from tuneledger.plots import dryrun_plot
+    from tuneledger.plots import dryrun_plot, picture
 
     png = picture(dryrun_plot, rows, out_root / "dryrun.png", f"dry-run {base.run_name}: {world} x {led['gpu']}")
     if png:
@@ -385,16 +385,6 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
     print(f"wrote {', '.join(map(str, wrote))} and {log}")
     return 0 if done else 1
-
-
-def picture(draw: Any, *args: Any, **kw: Any) -> Any:
-    """draw(*args, **kw), or None with a warning: a picture (matplotlib missing, a drawing error)
-    never costs the ledger of what was measured."""
-    try:
-        return draw(*args, **kw)
-    except Exception as e:  # noqa: BLE001
-        print(f"WARNING: no picture {args[1]}: {type(e).__name__}: {e}; the ledger is written without it", file=sys.stderr)
-        return None
 
 
 def add_parser(sub: Any) -> None:

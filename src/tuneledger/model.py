@@ -221,6 +221,4 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
         "weights_mib": round(weights_bytes / 2**20, 1), "layer_mib": round(layer_bytes / 2**20, 1),
         "layer_classes": layer_classes,
     }
-    if cfg.sharded:
-        levers["sharding"] = f"{', '.join(sharding.UNPROVEN)} off: not proven under FSDP2 (docs/presets.md)"
     return model, info

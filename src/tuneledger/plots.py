@@ -33,6 +33,19 @@ def _save(fig: Any, png: Path) -> Path:
     return png
 
 
+def picture(draw: Any, *args: Any, **kw: Any) -> Path | None:
+    """draw(*args, **kw) (a drawing function whose second argument is its PNG path), or None with a
+    warning naming that path: a picture (matplotlib missing, a drawing error) never costs the ledger
+    of what was measured."""
+    try:
+        return draw(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        import sys
+
+        print(f"WARNING: no picture {args[1]}: {type(e).__name__}: {e}; the ledger is written without it", file=sys.stderr)
+        return None
+
+
 def loss_series(log_history: list[dict]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """(train, eval) loss points (step, loss) of a Trainer's log_history, in step order."""
     train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]

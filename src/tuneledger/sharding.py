@@ -93,7 +93,8 @@ def describe(args: Any) -> str:
     c = args.fsdp_config
     return (f"FSDP2 (accelerate's plugin): units {','.join(c.get('transformer_layer_cls_to_wrap') or [])}, "
             f"reshard after forward {c.get('reshard_after_forward')}, activation checkpointing "
-            f"{c.get('activation_checkpointing')}, CPU offload {bool(c.get('cpu_offload'))}")
+            f"{c.get('activation_checkpointing')}, CPU offload {bool(c.get('cpu_offload'))}; "
+            f"{', '.join(UNPROVEN)} off: not proven under FSDP2 (docs/presets.md)")
 
 
 def enable_on_cpu(trainer: Any) -> None:

@@ -26,6 +26,7 @@ from tuneledger import tune_space as ts
 from tuneledger.config import ConfigError, resolve
 from tuneledger.config_load import from_cli, parse_overrides
 from tuneledger.launch import processes
+from tuneledger.plots import _figure, _save, picture
 
 DEFAULT_STEPS, DEFAULT_WARMUP = 6, 2
 
@@ -218,17 +219,17 @@ def markdown(led: dict) -> str:
 def plot(cands: list[ts.Candidate], png: Path, title: str, budget_gib: float | None) -> Path | None:
     """tune.png: per measured candidate (fastest on top), tokens/s with p10-p90 bars, and peak memory
     per GPU in GiB (a CPU run: peak RSS) against the budget. None with a warning when it cannot be
-    drawn (matplotlib missing): a picture never costs the ledger."""
+    drawn (matplotlib missing): a picture never costs the ledger (plots.picture)."""
+    return picture(_draw, cands, png, title, budget_gib)
+
+
+def _draw(cands: list[ts.Candidate], png: Path, title: str, budget_gib: float | None) -> Path | None:
     done = sorted([c for c in cands if c.status == "measured"], key=lambda c: c.result["tokens_per_s"])
     if not done:
         return None
+    plt = _figure()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 1.2 + 0.45 * len(done)), sharey=True)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 1.2 + 0.45 * len(done)), sharey=True)
         names = [c.short for c in done]
         rate = [c.result["tokens_per_s"] for c in done]
         err = [[max(0.0, r - c.result["tokens_per_s_p10"]) for r, c in zip(rate, done)],
@@ -244,14 +245,9 @@ def plot(cands: list[ts.Candidate], png: Path, title: str, budget_gib: float | N
         right.set_xlabel("peak RSS GiB per rank (CPU run: RAM, not GPU)" if cpu else "peak allocated GiB per GPU")
         fig.suptitle(title)
         fig.tight_layout()
-        tmp = png.with_suffix(".tmp.png")
-        fig.savefig(tmp, dpi=110)
+        return _save(fig, png)
+    finally:
         plt.close(fig)
-        tmp.replace(png)
-        return png
-    except Exception as e:  # noqa: BLE001
-        print(f"WARNING: no picture {png}: {type(e).__name__}: {e}; the ledger is written without it", file=sys.stderr)
-        return None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -108,7 +108,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     if cfg.sharded:
         from tuneledger.sharding import describe as sharding_line
 
-        info["levers"]["sharding"] = sharding_line(args) + "; " + info["levers"].get("sharding", "")
+        info["levers"]["sharding"] = sharding_line(args)
     trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer, info["attention"]), processing_class=tokenizer,
                             callbacks=[timer, *([stopper] if stopper else []), guard, seal],
