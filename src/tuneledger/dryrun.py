@@ -366,6 +366,8 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     if nodes.multi:
         first_dir = out_root / "dryrun" / (done[0]["preset"] if done else "-")
         led["nodes"] = summary(nodes, nproc, first, first_dir / "nccl")
+    from tuneledger.plots import dryrun_plot, picture
+
     if samples and any(s.get("status") == "ok" for s in samples):
         from tuneledger.monitor.plot import plot
         from tuneledger.monitor.rows import parse_time
@@ -374,8 +376,6 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
         if picture(plot, samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],
                    title=f"dry-run {base.run_name}: {world} x GPU"):
             led["plot"] = str(png)
-    from tuneledger.plots import dryrun_plot, picture
-
     png = picture(dryrun_plot, rows, out_root / "dryrun.png", f"dry-run {base.run_name}: {world} x {led['gpu']}")
     if png:
         led["comparison_plot"] = str(png)
