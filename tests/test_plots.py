@@ -90,3 +90,26 @@ def test_best_checkpoint_is_the_lowest_eval_loss_among_saved_ones(tmp_path):
         seal(ckpt, step)
     assert best_checkpoint(tmp_path) == (str(tmp_path / "checkpoint-4"), 1.1)
     assert best_checkpoint(tmp_path / "nothing") is None
+
+
+def test_dryrun_pictures_draw_the_gpu_samples_and_the_comparison(tmp_path):
+    """The dry-run's picture step as a GPU run reaches it (NVML rows present), on fake NVML: a CPU
+    dry-run has no samples, so this branch is otherwise only run on a GPU."""
+    from datetime import datetime, timedelta, timezone
+
+    from tuneledger.dryrun import pictures
+    from tuneledger.monitor.backends import FakeGpu, FakeNvml
+    from tuneledger.monitor.sampler import sample
+
+    b = FakeNvml([FakeGpu(used_mib=30000.0, util_gpu=95)])
+    b.init()
+    t0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+    samples = [r for i in range(6) for r in sample(b, "h", now=t0 + timedelta(seconds=i))]
+    led = {"gpu": "NVIDIA H200", "windows": [{"label": "preset D", "start": (t0 + timedelta(seconds=1)).isoformat(),
+                                              "end": (t0 + timedelta(seconds=4)).isoformat()}]}
+    png = pictures(led, [_row("D", 4000, 0.8, 1.1, 30000)], samples, tmp_path, "dry-run r: 1 x")
+    assert png == tmp_path / "dryrun.png" and led["comparison_plot"] == str(png)
+    assert led["plot"] == str(tmp_path / "dryrun-gpus.png") and _png_size(tmp_path / "dryrun-gpus.png")[0] > 300
+    bare = {"gpu": "cpu", "windows": []}
+    assert pictures(bare, [_row("D", 40, 0.8, 1.1, None)], [], tmp_path / "cpu", "dry-run r: 2 x") is not None
+    assert "plot" not in bare  # no NVML rows, no GPU picture

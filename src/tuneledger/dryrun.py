@@ -366,6 +366,20 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     if nodes.multi:
         first_dir = out_root / "dryrun" / (done[0]["preset"] if done else "-")
         led["nodes"] = summary(nodes, nproc, first, first_dir / "nccl")
+    png = pictures(led, rows, samples, out_root, f"dry-run {base.run_name}: {world} x")
+    ledger.write(out_root, "dryrun", led, markdown(led))
+    print()
+    print_table(led)
+    wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
+    print(f"wrote {', '.join(map(str, wrote))} and {log}")
+    return 0 if done else 1
+
+
+def pictures(led: dict, rows: list[dict], samples: list[dict], out_root: Path, title: str) -> Path | None:
+    """The dry-run's two pictures beside its ledger: dryrun-gpus.png (the GPU sampler's rows, one
+    window per preset; only when NVML gave rows) and dryrun.png (the presets compared). Sets
+    led["plot"] and led["comparison_plot"] to the paths drawn; returns dryrun.png's path or None.
+    A picture that cannot be drawn is a warning, never an error (plots.picture)."""
     from tuneledger.plots import dryrun_plot, picture
 
     if samples and any(s.get("status") == "ok" for s in samples):
@@ -373,18 +387,13 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
         from tuneledger.monitor.rows import parse_time
 
         png = out_root / "dryrun-gpus.png"
-        if picture(plot, samples, png, [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]],
-                   title=f"dry-run {base.run_name}: {world} x GPU"):
+        windows = [(w["label"], parse_time(w["start"]), parse_time(w["end"])) for w in led["windows"]]
+        if picture(plot, samples, png, windows, title=f"{title} GPU"):
             led["plot"] = str(png)
-    png = picture(dryrun_plot, rows, out_root / "dryrun.png", f"dry-run {base.run_name}: {world} x {led['gpu']}")
+    png = picture(dryrun_plot, rows, out_root / "dryrun.png", f"{title} {led['gpu']}")
     if png:
         led["comparison_plot"] = str(png)
-    ledger.write(out_root, "dryrun", led, markdown(led))
-    print()
-    print_table(led)
-    wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
-    print(f"wrote {', '.join(map(str, wrote))} and {log}")
-    return 0 if done else 1
+    return png
 
 
 def add_parser(sub: Any) -> None:

@@ -9,6 +9,7 @@ Both write to <png>.tmp.png and rename, so a run killed while drawing leaves the
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,6 @@ def picture(draw: Any, *args: Any, **kw: Any) -> Path | None:
     try:
         return draw(*args, **kw)
     except Exception as e:  # noqa: BLE001
-        import sys
-
         print(f"WARNING: no picture {args[1]}: {type(e).__name__}: {e}; the ledger is written without it", file=sys.stderr)
         return None
 
