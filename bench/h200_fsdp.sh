@@ -41,7 +41,7 @@ for p in B F; do
   s=$(date +%s.%N)
   timeout -k 10 $(( l - 60 )) $TL train $JOB preset=$p output_dir=/tmp/runs/$p $FLAGS > /tmp/logs/train-$p.log 2>&1
   rc=$?
-  stamp "train $p exit $rc in $(echo "$(date +%s.%N) - $s" | bc) s (the shell's clock): $(grep -E '^done:' /tmp/logs/train-$p.log)"
+  stamp "train $p exit $rc in $(python3 -c "import sys; print(f'{float(sys.argv[1]) - float(sys.argv[2]):.1f}')" "$(date +%s.%N)" "$s") s (the shell's clock): $(grep -E '^done:' /tmp/logs/train-$p.log)"
 done
 ${PY:-python3} - "$OUT/fsdp-losses.md" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys
