@@ -10,7 +10,10 @@ a test that cannot get it skips, saying so (fails under TUNELEDGER_REQUIRE_SHARE
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -73,3 +76,39 @@ def smollm2() -> Path:
     AutoTokenizer.from_pretrained(src, gguf_file=GGUF).save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def identity_run(python: str | Path, identity: Path, dest: Path) -> Path:
+    """`dest`: a copy of SmolLM2-135M-Instruct fine-tuned by IDENTITY_RECIPE on `identity`
+    (identity.json), trained by `python -m tuneledger train` (the trainer venv's Python).
+
+    The 40 steps take about 5 min on 2 cores, so the training is done once per source tree and kept
+    in .cache/assets/identity-<key>/ (key: sha256 of src/tuneledger, configs/tiny.yaml, the recipe,
+    identity.json and requirements.txt, the trainer venv's lock): the slow tier's chat and export
+    tests and the INT4 test in .venv-quant (another pytest session) share it. A flock makes a second
+    session wait instead of training beside it; the `done` marker, written last, makes a training
+    killed halfway start over.
+    Each caller gets its own copy, which it may write into (export puts export/ there).
+    Raises AssertionError with the trainer's output tail when the training fails."""
+    import procs
+
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "src" / "tuneledger").rglob("*.py")) + [ROOT / "configs" / "tiny.yaml",
+                                                                    ROOT / "requirements.txt", Path(identity)]:
+        h.update(f.relative_to(ROOT).as_posix().encode() if f.is_relative_to(ROOT) else b"identity")
+        h.update(f.read_bytes())
+    h.update(repr(IDENTITY_RECIPE).encode())
+    base = smollm2()
+    cached = CACHE / f"identity-{h.hexdigest()[:16]}"
+    with open(CACHE / f"{cached.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cached / "done").is_file():
+            shutil.rmtree(cached, ignore_errors=True)
+            p = procs.run([str(python), "-m", "tuneledger", "train", str(ROOT / "configs" / "tiny.yaml"),
+                           f"model_name_or_path={base}", f"output_dir={cached / 'run'}",
+                           f"cache_dir={cached / 'cache'}", "preset=C", f"dataset={identity}", *IDENTITY_RECIPE,
+                           "--nproc", "1", "--cpu"], cwd=ROOT, env={**os.environ})
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+            (cached / "done").write_text("trained\n")
+    shutil.copytree(cached / "run", dest, symlinks=True)
+    return dest

@@ -69,21 +69,13 @@ def tiny_model(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_identity_run(tmp_path_factory) -> tuple[Path, Path]:
     """(base, run): SmolLM2-135M-Instruct (real weights) fine-tuned on identity.json, with
-    {{name}}/{{author}} filled, 40 steps on the CPU (about 5 min on 2 cores). One training shared by
+    {{name}}/{{author}} filled, 40 steps on the CPU (about 5 min on 2 cores; tests/assets.py's
+    identity_run trains it once per source tree, and the INT4 test reuses it). One training shared by
     the export and chat tests. Skips without identity.json or the SmolLM2 wheel (fails in CI)."""
     import sys
 
-    import procs
-    from assets import IDENTITY_RECIPE, smollm2
+    from assets import identity_run, smollm2
 
     identity = shared_data("identity.json")
     base = smollm2()
-    tmp = tmp_path_factory.mktemp("smollm2")
-    run = tmp / "identity"
-    root = Path(__file__).resolve().parents[1]
-    p = procs.run([sys.executable, "-m", "tuneledger", "train", str(root / "configs" / "tiny.yaml"),
-                   f"model_name_or_path={base}", f"output_dir={run}", f"cache_dir={tmp / 'cache'}", "preset=C",
-                   f"dataset={identity}", *IDENTITY_RECIPE, "--nproc", "1", "--cpu"],
-                  cwd=root, env={**os.environ})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return base, run
+    return base, identity_run(sys.executable, identity, tmp_path_factory.mktemp("smollm2") / "identity")

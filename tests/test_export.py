@@ -3,6 +3,7 @@ a real model that learnt a new name and still stops."""
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -30,8 +31,12 @@ def train(tmp_path, model, name, *extra):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("export")
-    return train(tmp, tiny_model, "run", "max_samples=32", "cutoff_len=128", "global_batch_size=8", "max_steps=3",
-                 "save_steps=3", "learning_rate=1e-2")
+    run = train(tmp, tiny_model, "run", "max_samples=32", "cutoff_len=128", "global_batch_size=8", "max_steps=3",
+                "save_steps=3", "learning_rate=1e-2")
+    log = (run / "train.log").read_text()
+    # The Trainer's logs as lines (progress.LogLine), not PrinterCallback's raw dicts.
+    assert "{'loss'" not in log and re.search(r": step 3/3, loss \d+\.\d{4}, grad_norm \S+, lr ", log), log[-2000:]
+    return run
 
 
 def test_merged_equals_base_plus_adapter(tiny_run, tiny_model):

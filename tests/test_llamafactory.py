@@ -350,7 +350,8 @@ def test_template_line_says_what_renders(tiny_model):
 
     own = local_chat_template(str(tiny_model))
     assert "<|im_start|>" in own
-    assert template_line("qwen", own, "M") == "template: qwen = ChatML, the tokenizer's own chat template of M (ChatML), which renders"
+    assert template_line("qwen", own, "M") == ("template: qwen = ChatML, the tokenizer's own chat template of M (ChatML): "
+                                                 "it renders every record, as LLaMA-Factory's qwen would")
     assert template_line("llama3", own, "M").startswith("template: WARNING llama3 asks for Llama 3")
     assert "as asked" in template_line("tokenizer", own, "M")
     assert "NOTE 'alpaca' is not a format" in template_line("alpaca", own, "M")

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuneledger.progress import StepProgress, progress_line
+from tuneledger.progress import LogLine, StepProgress, log_line, progress_line
 
 
 def test_train_progress_line():
@@ -295,3 +295,22 @@ def test_bars_are_off_only_off_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Tty())
     quiet.no_bars_off_a_terminal()
     assert "TQDM_DISABLE" not in os.environ
+
+
+def test_trainer_logs_print_as_lines_not_dicts(capsys):
+    """Issue 21 (14): train.log showed PrinterCallback's raw `{'loss': ..., 'eta_h': ...}` dicts."""
+    logs = {"loss": 1.23456, "grad_norm": 0.51234, "learning_rate": 9e-4, "epoch": 0.25, "tokens_per_s": 2345.6,
+            "eta_h": 0.01, "custom": 3}
+    assert log_line("train r", 10, 40, logs) == ("train r: step 10/40, loss 1.2346, grad_norm 0.512, lr 9.00e-04, "
+                                                 "epoch 0.25, 2,346 tokens/s (rank 0 x world size), custom 3")
+    assert log_line("train r", 10, 40, {"eval_loss": 2.5, "eval_runtime": 3.14, "eval_samples_per_second": 9.0,
+                                        "epoch": 0.25}) == "train r: eval at step 10/40, eval_loss 2.5000 in 3.1 s, epoch 0.25"
+    # the end-of-run metrics: `tuneledger train` prints its own summary
+    assert log_line("train r", 40, 40, {"train_runtime": 12.0, "train_samples_per_second": 3.0, "epoch": 1.0}) is None
+    assert logs["loss"] == 1.23456  # the Trainer's dict is left as it was (the ledger reads log_history)
+
+    cb = LogLine("train r")
+    state = SimpleNamespace(is_world_process_zero=True, global_step=2, max_steps=4)
+    cb.on_log(None, state, None, logs={"loss": 2.0})
+    cb.on_log(None, SimpleNamespace(is_world_process_zero=False, global_step=2, max_steps=4), None, logs={"loss": 2.0})
+    assert capsys.readouterr().out == "train r: step 2/4, loss 2.0000\n"

@@ -51,8 +51,8 @@ USE_RULES: dict[str, dict[str, UseRule]] = {
                         instead="one adapter at a time: chat with each in turn", shown="one path"),
         "eval": UseRule("the adapter scored (the RUN argument): " + _ADAPTER, accepted=lambda v: "," not in str(v),
                         instead="one adapter at a time: evaluate each in turn", shown="one path")},
-    "template": {v: UseRule("checked against the tokenizer's own chat template, which renders (a `template:` line "
-                            "says which and why)") for v in USE_VERBS},
+    "template": {v: UseRule("checked against the tokenizer's own chat template, which is what renders "
+                            "(a `template:` line says which format and why)") for v in USE_VERBS},
     "trust_remote_code": {v: UseRule("no effect: models load with transformers' own code", ignored=True)
                           for v in USE_VERBS},
     "export_dir": {"export": UseRule("where the merged model goes (--out)")},

@@ -78,3 +78,49 @@ class StepProgress(TrainerCallback):
         per_step = (now - self._t0) / max(1, step - self._first_step)
         print(progress_line(self.label, step, total, per_step, later_presets=self.later_presets, dryrun=self.dryrun),
               flush=True)
+
+
+# The Trainer's end-of-run metrics: `tuneledger train` prints the run's own summary (its loss over
+# the whole run and the command's wall time), so the Trainer's train_runtime line would contradict it.
+END_OF_RUN = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
+
+
+def log_line(label: str, step: int, total: int, logs: dict) -> str | None:
+    """One line for a Trainer log dict (what PrinterCallback prints raw), or None for the end-of-run
+    metrics. Training: `label: step 10/40, loss 1.2345, grad_norm 0.512, lr 9.00e-04, epoch 0.25,
+    2,345 tokens/s (rank 0 x world size)` (the ETA is StepProgress's line); evaluation: `label: eval at step 10/40,
+    eval_loss 1.2345 in 3.1 s`; keys it does not know follow as key value."""
+    logs = dict(logs)
+    if any(k in logs for k in END_OF_RUN):
+        return None
+    parts = []
+    if "eval_loss" in logs:
+        head = f"{label}: eval at step {step}/{total}"
+        parts.append(f"eval_loss {logs.pop('eval_loss'):.4f}")
+        if "eval_runtime" in logs:
+            parts[-1] += f" in {logs.pop('eval_runtime'):.1f} s"
+        for k in ("eval_samples_per_second", "eval_steps_per_second"):
+            logs.pop(k, None)
+    else:
+        head = f"{label}: step {step}/{total}"
+    for key, fmt in (("loss", "loss {:.4f}"), ("grad_norm", "grad_norm {:.3g}"), ("learning_rate", "lr {:.2e}"),
+                     ("epoch", "epoch {:.2f}"), ("tokens_per_s", "{:,.0f} tokens/s (rank 0 x world size)")):
+        if isinstance(logs.get(key), (int, float)):
+            parts.append(fmt.format(logs.pop(key)))
+    logs.pop("eta_h", None)  # StepProgress's line gives the ETA, from the steps of this process
+    parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in logs.items()]
+    return f"{head}, {', '.join(parts)}" if parts else None
+
+
+class LogLine(TrainerCallback):
+    """Prints each Trainer log as `log_line` on rank 0, in place of transformers' PrinterCallback,
+    whose raw dicts (`{'loss': 1.23, 'grad_norm': ...}`) read as debug output in train.log."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.is_world_process_zero and logs:
+            line = log_line(self.label, state.global_step, state.max_steps, logs)
+            if line:
+                print(line, flush=True)

@@ -63,13 +63,13 @@ def template_line(asked: str | None, chat_template: str | None, model: str) -> s
     fmt = template_format(chat_template) or "a format tuneledger does not recognise"
     own = f"the tokenizer's own chat template of {model} ({fmt})"
     if asked in (None, "tokenizer"):
-        return f"template: {own} renders, as asked (template: tokenizer)"
+        return f"template: {own} renders every record, as asked (template: tokenizer)"
     want = NAMES.get(asked)
     if want is None:
         return (f"template: NOTE {asked!r} is not a format tuneledger checks; {own} renders, as it always does here "
                 "(template: tokenizer says so and silences this note)")
     if want == template_format(chat_template):
-        return f"template: {asked} = {want}, {own}, which renders"
+        return f"template: {asked} = {want}, {own}: it renders every record, as LLaMA-Factory's {asked} would"
     if want == "ChatML":
         return (f"template: {asked} asks for ChatML and {own} is not: data preparation refuses it; set "
                 "template: tokenizer to render with the tokenizer's template as it is")

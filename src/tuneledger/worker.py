@@ -34,7 +34,7 @@ from tuneledger.ledger import compiled, run_loss
 from tuneledger.nodes import check_same_nodes, host_name
 from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,
                                time_warm_compile)
-from tuneledger.progress import StepProgress
+from tuneledger.progress import LogLine, StepProgress
 from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, make_collator, training_args
 
 
@@ -113,15 +113,16 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
                             data_collator=make_collator(cfg, tokenizer, info["attention"]), processing_class=tokenizer,
                             callbacks=[timer, *([stopper] if stopper else []), guard, seal],
                             n_params=info["total_params"])
+    # The Trainer's raw log dicts: in train, LogLine prints them as lines; in a dry-run, which replays
+    # steps from across the run, their eta_h and epoch contradict the dry-run's own ETA and
+    # StepProgress prints what is true (disable_tqdm=True always makes PrinterCallback the printer).
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    progress = job.get("progress") or {}
     if mode == "train":  # not in a dry-run: a log is a host sync, and would land inside the measured window
         trainer.add_callback(LogLastStep())
-    else:
-        # The Trainer's raw log dicts: a dry-run replays steps from across the run, so their
-        # eta_h and epoch contradict the dry-run's own ETA; StepProgress prints what is true.
-        from transformers.trainer_callback import PrinterCallback
-
-        trainer.remove_callback(PrinterCallback)
-    progress = job.get("progress") or {}
+        trainer.add_callback(LogLine(progress.get("label", f"train {cfg.run_name}")))
     trainer.add_callback(StepProgress(progress.get("label", f"{mode} {cfg.run_name}"), every_s=5.0 if mode == "dryrun" else 30.0,
                                       later_presets=progress.get("later_presets", 0), earlier_s=progress.get("earlier_s"),
                                       started_wall=progress.get("started_wall"), dryrun=mode == "dryrun"))
