@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -314,3 +315,21 @@ def test_trainer_logs_print_as_lines_not_dicts(capsys):
     cb.on_log(None, state, None, logs={"loss": 2.0})
     cb.on_log(None, SimpleNamespace(is_world_process_zero=False, global_step=2, max_steps=4), None, logs={"loss": 2.0})
     assert capsys.readouterr().out == "train r: step 2/4, loss 2.0000\n"
+
+
+def test_torchruns_own_traceback_after_a_stop_is_one_line():
+    """Issue 21: a SIGTERM as the ranks started printed torchrun's SignalException traceback under the
+    launcher's own last line. After a stop signal it is one line (the log keeps it); before one, and
+    for any other error, a traceback is shown whole."""
+    from tuneledger.launch import StopTraceback
+
+    tb = ["Traceback (most recent call last):\n", '  File "run.py", line 9, in main\n', "    agent.run()\n",
+          "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15\n"]
+    q = StopTraceback(Path("/r/train.log"))
+    assert [q.shown(line, "SIGTERM") for line in ["step 1\n", *tb]] == ["step 1\n", "", "", "",
+        "launch: torchrun stopped by the SIGTERM passed on to it (its traceback is in /r/train.log)\n"]
+    other = [*tb[:3], "RuntimeError: CUDA error: out of memory\n"]
+    assert "".join(q.shown(line, "SIGTERM") for line in other) == "".join(other)
+    assert "".join(StopTraceback(None).shown(line, None) for line in tb) == "".join(tb)  # no stop: as it came
+    cut = StopTraceback(None)
+    assert [cut.shown(line, "SIGTERM") for line in tb[:2]] == ["", ""] and cut.shown("", None) == "".join(tb[:2])

@@ -280,7 +280,8 @@ def check_line(c: dict) -> str:
     train = c["steady_s_per_step"]["train_median"]
     gap = t.get("unaccounted_s") or 0.0
     return (f"ETA check: the dry-run predicted {fmt_h(t['predicted_s'])} ({fmt_h(t['low_s'])} - {fmt_h(t['high_s'])}); "
-            f"this command took {fmt_h(t['actual_s'])} (process start to exit"
+            f"this command took {fmt_h(t['actual_s'])} (process start to this line, the interpreter's exit after it "
+            "not counted"
             + (f"; {gap:.1f} s of it between the measured parts" if abs(gap) >= 0.05 else "") + "): "
             + (f"{t['error_pct']:+.1f}% ({where} the range). " if t["error_pct"] is not None else "no error to compute. ")
             + f"Steady s/step: dry-run {c['steady_s_per_step']['dryrun_median']:.3f}, train "

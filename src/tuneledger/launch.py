@@ -64,6 +64,32 @@ class FailureReader:
         return [*self.killed, *list(self.errors)[-3:]][:4]
 
 
+class StopTraceback:
+    """What the terminal shows of the ranks' output once a stop signal was passed on: torchrun answers
+    it with its own `SignalException` traceback, which says nothing the launcher's last line does not;
+    that traceback becomes one line (the log keeps it whole). Every other traceback is shown."""
+
+    def __init__(self, log_path: Path | None):
+        self.where = f" (its traceback is in {log_path})" if log_path else ""
+        self.held: list[str] = []
+
+    def shown(self, line: str, stop_signal: str | None) -> str:
+        """The text to show for `line` ("" while a traceback is held); `stop_signal`: the signal's
+        name once one was passed on, else None. shown("", None) gives back what is still held."""
+        if not (self.held or (stop_signal and line.startswith("Traceback (most recent call last)"))):
+            return line
+        if not line:
+            text, self.held = "".join(self.held), []
+            return text
+        self.held.append(line)
+        if not ROOT_CAUSE.match(line):
+            return ""
+        text, self.held = "".join(self.held), []
+        if "SignalException" in line:
+            return f"launch: torchrun stopped by the {stop_signal} passed on to it{self.where}\n"
+        return text
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -334,8 +360,9 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         if main:  # a signal that came meanwhile is handled now, inside this try
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         assert proc.stdout is not None
+        quiet = StopTraceback(log_path)
         for line in proc.stdout:
-            sys.stdout.write(line)
+            sys.stdout.write(quiet.shown(line, stopper.signal))
             sys.stdout.flush()
             if log:
                 try:
@@ -344,6 +371,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
                     print(f"launch: cannot write {log_path} ({e}); the log goes on here only", file=sys.stderr)
                     log = None
             failure.feed(line)
+        sys.stdout.write(quiet.shown("", None))  # a traceback cut short by torchrun's exit
         rc = proc.wait()
     except (KeyboardInterrupt, Terminated) as stop:
         if main:  # a second SIGTERM must not cut the wait for the ranks short
