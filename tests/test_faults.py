@@ -98,7 +98,7 @@ def test_no_checkpoint_verifies_refuses_naming_the_missing_file_and_again_on_the
     (run / "checkpoint-4").rename(run / "damaged-checkpoint-4")  # as a start with a good checkpoint-6 once left it
     (run / "checkpoint-2").rename(run / "damaged-checkpoint-2")
     resume, refusal = pick_checkpoint(train_cfg(run))
-    assert resume is None and "2 checkpoint(s)" in refusal
+    assert resume is None and "2 checkpoints" in refusal
     assert "damaged-checkpoint-2: set aside" in capsys.readouterr().err
     assert pick_checkpoint(train_cfg(run, resume_from_checkpoint="never")) == (None, None)
 

@@ -209,7 +209,7 @@ def test_dryrun_on_two_nodes_writes_one_ledger_with_the_nodes(tmp_path, tiny_mod
     outs = run_nodes(tmp_path, tiny_model, "dry", [{"TUNELEDGER_HOST": "node-0"}, {"TUNELEDGER_HOST": "node-1"}], base)
     for rc, out in outs:
         assert rc == 0, out[-4000:]
-    assert "node 1: 1 preset(s) ran; node 0 writes the ledger" in outs[1][1]
+    assert "node 1: 1 preset ran; node 0 writes the ledger" in outs[1][1]
     led = json.loads((tmp_path / "dry" / "dryrun.json").read_text())
     assert led["world_size"] == 2 and led["nodes"]["nnodes"] == 2 and sorted(led["nodes"]["hosts"]) == ["node-0", "node-1"]
     row = led["presets"][0]

@@ -345,7 +345,7 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
     if not nodes.first:
-        print(f"node {nodes.node_rank}: {len(done)} preset(s) ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
+        print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
         return 0 if done else 1
     for r in done:
         r.update(verdict(r, samples, nproc, cpu))

@@ -226,7 +226,7 @@ class _Stopper:
                   f"{self.grace_s:g} s, stop_grace_period_s){again}", file=sys.stderr, flush=True)
             threading.Thread(target=self._signal_new_ranks, daemon=True).start()
         else:
-            print(f"\n{name}: asking the {len(ranks)} rank(s) to finish their step and save (up to "
+            print(f"\n{name}: asking the {len(ranks)} rank{'' if len(ranks) == 1 else 's'} to finish their step and save (up to "
                   f"{self.grace_s:g} s, stop_grace_period_s){again}", file=sys.stderr, flush=True)
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
@@ -331,7 +331,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         env.update(nccl_env(Path(job["out_dir"]) / "nccl"))
         if "NCCL_DEBUG_FILE" in env:
             rendezvous += f"; NCCL's log in {Path(env['NCCL_DEBUG_FILE']).parent}"
-    print(f"launch: {nproc} process(es), {rendezvous}", flush=True)
+    print(f"launch: {nproc} process{'' if nproc == 1 else 'es'}, {rendezvous}", flush=True)
     # Line-buffered: after a kill -9 or a full disk the log holds every line up to then.
     log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None
     failure = FailureReader()

@@ -246,9 +246,9 @@ def compiled(model_info: dict) -> bool:
     return str((model_info or {}).get("levers", {}).get("compile", "")).startswith("on")
 
 
-def plural(n: int, word: str) -> str:
-    """'1 checkpoint', '2 checkpoints' (English -s plurals only)."""
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 checkpoint', '2 checkpoints'; `many` for another plural ('process', 'processes')."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
 def fmt_h(seconds: float) -> str:

@@ -25,7 +25,7 @@ from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_f
 from tuneledger.config import JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.launch import BeforeRanks, StoppedBeforeStart, processes, run_workers, used_gpus
-from tuneledger.ledger import total_steps
+from tuneledger.ledger import plural, total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.nodes import from_args, summary
@@ -107,7 +107,7 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
             print(f"WARNING: no checkpoint in {out} verifies (none renamed, none deleted):\n  {lines}",
                   file=sys.stderr, flush=True)
             return None, (f"no checkpoint in {out} verifies, so there is nothing safe to resume from, and the folder holds "
-                          f"{len(bad) + len(aside)} checkpoint(s). Start over with resume_from_checkpoint=never, or point "
+                          f"{plural(len(bad) + len(aside), 'checkpoint')}. Start over with resume_from_checkpoint=never, or point "
                           "resume_from_checkpoint at one you trust")
     if bad:
         if rename_damaged:
@@ -115,7 +115,7 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
         else:
             kept = ["left for node 0 to rename"] * len(bad)
         lines = "\n  ".join(f"{p.name}: {why} -> {k}" for (p, why), k in zip(bad, kept))
-        print(f"WARNING: {len(bad)} checkpoint(s) in {out} do not verify and are skipped (not deleted):\n  {lines}",
+        print(f"WARNING: {plural(len(bad), 'checkpoint')} in {out} {'does' if len(bad) == 1 else 'do'} not verify and are skipped (not deleted):\n  {lines}",
               file=sys.stderr, flush=True)
     return (str(good) if good else None), None
 
@@ -249,7 +249,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     if nodes.multi:
         result["nodes"] = summary(nodes, nproc, result, out / "nccl")
         result_path.write_text(json.dumps(result, indent=1))
-        print(f"nodes: {nodes.nnodes} x {nproc} process(es): {', '.join(result['nodes']['hosts'])}; NCCL: "
+        print(f"nodes: {nodes.nnodes} x {plural(nproc, 'process', 'processes')}: {', '.join(result['nodes']['hosts'])}; NCCL: "
               f"{result['nodes']['nccl'] or 'n/a (gloo, or NCCL_DEBUG set elsewhere)'}")
     stopped = result.get("stopped") or {}
     if stopped.get("reason") == "nonfinite":

@@ -185,7 +185,7 @@ def why(ranking: dict, cands: list[ts.Candidate]) -> list[str]:
 def markdown(led: dict) -> str:
     """tune.md: the pick as YAML, the finding, why, the ranking table, what was pruned or not measured."""
     lines = [f"# Tune ledger: {led['run_name']}", "",
-             f"- date: {led['date']}; host: {led['host']}; {led['world_size']} rank(s), {led['backend']}; model {led['model']}",
+             f"- date: {led['date']}; host: {led['host']}; {ledger.plural(led['world_size'], 'rank')}, {led['backend']}; model {led['model']}",
              f"- global batch {led['global_batch_size']}, cutoff_len {led['cutoff_len']}; each candidate a dry-run of "
              f"{led['dryrun_steps']} steps ({led['warmup_steps']} warm-up); memory budget "
              f"{str(led['memory_budget_gib']) + ' GiB per GPU' if led['memory_budget_gib'] else 'not checked (CPU)'}; "
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     budget_gib = None if cpu else (args.memory_gib or card_memory_gib(nproc))
     tune_dir = cfg.out_dir / "tune"
     tune_dir.mkdir(parents=True, exist_ok=True)
-    print(f"tune: {len(space)} candidates at global batch {gb} on {world} rank(s){' (CPU: memory not checked)' if cpu else ''}; "
+    print(f"tune: {len(space)} candidates at global batch {gb} on {ledger.plural(world, 'rank')}{' (CPU: memory not checked)' if cpu else ''}; "
           f"memory budget {f'{budget_gib:g} GiB per GPU' if budget_gib else 'none'}; time budget "
           f"{fmt_s(budget_s) if budget_s else 'none'}; each a dry-run of {cfg.dryrun_steps} steps", flush=True)
     stopped: list[int] = []
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         "snippet": ts.snippet(pick, gb, world, budget_gib) if pick else "# no measured candidate fits\n",
         "finding": ts.finding(ranking, space), "why": why(ranking, space),
     }
-    png = plot(space, tune_dir / "tune.png", f"tune {cfg.run_name}: {world} rank(s), global batch {gb}", budget_gib)
+    png = plot(space, tune_dir / "tune.png", f"tune {cfg.run_name}: {ledger.plural(world, 'rank')}, global batch {gb}", budget_gib)
     if png:
         led["plot"] = str(png)
     ledger.write(tune_dir, "tune", led, markdown(led))

@@ -287,7 +287,7 @@ def snippet(c: Candidate, global_batch: int, world: int, budget_gib: float | Non
     """The winning settings as YAML to paste into a training config."""
     fits = f"fits {budget_gib:g} GiB per GPU" if budget_gib else "memory not checked (CPU)"
     return "\n".join([
-        f"# tuneledger tune: fastest measured setting ({c.result['tokens_per_s']:,.0f} tokens/s on {world} rank(s); {fits})",
+        f"# tuneledger tune: fastest measured setting ({c.result['tokens_per_s']:,.0f} tokens/s on {ledger.plural(world, 'rank')}; {fits})",
         f"global_batch_size: {global_batch}",
         f"per_device_train_batch_size: {c.micro_batch}   # gradient accumulation {c.accumulation} is derived",
         f"gradient_checkpointing: {str(c.gradient_checkpointing).lower()}",
