@@ -16,7 +16,8 @@ from typing import Any
 GB24_GIB = 24 * 1e9 / 2**30  # a 24 GB card (RTX 4090) is 22.4 GiB; the line is drawn there
 
 
-def _figure():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only; raises ImportError without matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a training node
@@ -25,7 +26,8 @@ def _figure():
     return plt
 
 
-def _save(fig: Any, png: Path) -> Path:
+def save_figure(fig: Any, png: Path) -> Path:
+    """Write `fig` to `png` through a temporary file and a rename (a reader never sees half a picture)."""
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
     tmp = png.with_name(png.stem + ".tmp.png")
@@ -57,7 +59,7 @@ def loss_plot(log_history: list[dict], png: Path, title: str = "") -> Path | Non
     train, evals = loss_series(log_history)
     if not train and not evals:
         return None
-    plt = _figure()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         # One logged step is a point, not a line: a line of one point draws nothing.
@@ -71,7 +73,7 @@ def loss_plot(log_history: list[dict], png: Path, title: str = "") -> Path | Non
     ax.grid(alpha=0.3)
     ax.legend()
     try:
-        return _save(fig, png)
+        return save_figure(fig, png)
     finally:
         plt.close(fig)
 
@@ -84,7 +86,7 @@ def dryrun_plot(rows: list[dict], png: Path, title: str = "") -> Path | None:
     done = [r for r in rows if "tokens_per_s" in r]
     if not done:
         return None
-    plt = _figure()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     names = [f"preset {r['preset']}" for r in done]
     rate = [r["tokens_per_s"] for r in done]
@@ -111,6 +113,6 @@ def dryrun_plot(rows: list[dict], png: Path, title: str = "") -> Path | None:
     right.set_title("peak process memory (CPU run: RAM, not GPU)" if cpu else "peak GPU memory")
     fig.suptitle(title or "dry-run")
     try:
-        return _save(fig, png)
+        return save_figure(fig, png)
     finally:
         plt.close(fig)

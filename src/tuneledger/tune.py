@@ -26,7 +26,7 @@ from tuneledger import tune_space as ts
 from tuneledger.config import ConfigError, resolve
 from tuneledger.config_load import from_cli, parse_overrides
 from tuneledger.launch import processes
-from tuneledger.plots import _figure, _save, picture
+from tuneledger.plots import picture, pyplot, save_figure
 
 DEFAULT_STEPS, DEFAULT_WARMUP = 6, 2
 
@@ -227,7 +227,7 @@ def _draw(cands: list[ts.Candidate], png: Path, title: str, budget_gib: float | 
     done = sorted([c for c in cands if c.status == "measured"], key=lambda c: c.result["tokens_per_s"])
     if not done:
         return None
-    plt = _figure()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 1.2 + 0.45 * len(done)), sharey=True)
     try:
         names = [c.short for c in done]
@@ -245,7 +245,7 @@ def _draw(cands: list[ts.Candidate], png: Path, title: str, budget_gib: float | 
         right.set_xlabel("peak RSS GiB per rank (CPU run: RAM, not GPU)" if cpu else "peak allocated GiB per GPU")
         fig.suptitle(title)
         fig.tight_layout()
-        return _save(fig, png)
+        return save_figure(fig, png)
     finally:
         plt.close(fig)
 
