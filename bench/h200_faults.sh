@@ -43,7 +43,7 @@ stamp "resume on 1 GPU from checkpoint-$saved, 3 more steps"
 timeout -k 20 -s TERM "$(( $(left) > 300 ? 200 : $(left) / 2 ))" $TL train $COMMON run_name=h200-sigterm output_dir=$RUN \
   max_steps=$(( ${saved:-0} + 3 )) save_steps=1000 logging_steps=1 --nproc 1 > "$OUT/resume-1gpu.log" 2>&1
 stamp "1-GPU resume exit $?"
-grep -E "resuming|accumulation|global batch|'loss'|step [0-9]+/|done:" "$OUT/resume-1gpu.log" | head -12 | tee -a "$LOG"
+grep -E "resuming|accumulation|global batch|step [0-9]+/|done:" "$OUT/resume-1gpu.log" | head -12 | tee -a "$LOG"
 cp $RUN/train.json "$OUT/sigterm-train.json" 2>/dev/null
 
 # ---- 2. 2 nodes x 1 GPU over loopback -------------------------------------------------------

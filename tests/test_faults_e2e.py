@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,17 +53,31 @@ def start(*a, out: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for_first_step(run: Path) -> None:
-    """Until train.log (line-buffered) holds the first logged step's loss, while the run goes on."""
-    wait_for(lambda: "'loss'" in (run / "train.log").read_text() if (run / "train.log").exists() else False,
-             "the first logged step")
+FIRST_STEP = re.compile(r": step \d+/\d+, loss \d")  # progress.log_line's training line
 
 
-def wait_for(cond, what: str, timeout: float = 1800):
+def wait_for_first_step(run: Path, proc: subprocess.Popen) -> None:
+    """Until train.log (line-buffered) holds the first logged step's loss line, while the run goes on."""
+    wait_for(lambda: bool(FIRST_STEP.search((run / "train.log").read_text())) if (run / "train.log").exists()
+             else False, "the first logged step", proc=proc, log=run / "train.log")
+
+
+def wait_for(cond, what: str, timeout: float = procs.TIMEOUT_S or 3600, proc: subprocess.Popen | None = None,
+             log: Path | None = None):
+    """Polls `cond` every 50 ms. Fails at once when `proc` has exited first (a run that ended or
+    crashed cannot satisfy it: waiting on would only eat the timeout), else after `timeout` s
+    ($TUNELEDGER_TEST_TIMEOUT), with the tail of `log`."""
+    def tail() -> str:
+        return log.read_text()[-3000:] if log is not None and log.exists() else ""
+
     end = time.monotonic() + timeout
     while not cond():
+        if proc is not None and proc.poll() is not None:
+            if cond():
+                return
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}\n{tail()}")
         if time.monotonic() > end:
-            raise AssertionError(f"gave up waiting for {what}")
+            raise AssertionError(f"gave up waiting {timeout:.0f} s for {what}\n{tail()}")
         time.sleep(0.05)
 
 
@@ -128,7 +143,7 @@ def sigterm_mid_run(tmp_path, tiny_model, data, run: Path, *extra: str) -> Path:
     a = args(tiny_model, data, run, *extra, "max_steps=40", "save_steps=100", "stop_grace_period_s=300")
     first = start(*a, out=tmp_path / "first.out")
     try:
-        wait_for_first_step(run)
+        wait_for_first_step(run, first)
         job = (run / "job.json").read_text()
         second = tl(*args(tiny_model, data, run, *extra, "max_steps=40", "learning_rate=1e-3"))
         assert second.returncode == 1 and f"is in use by pid {first.pid}" in second.stderr
@@ -163,7 +178,7 @@ def test_kill_9_of_the_launcher_leaves_a_log_and_no_orphan_ranks(tmp_path, tiny_
     launcher = start(*args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=60"),
                      out=tmp_path / "out")
     try:
-        wait_for_first_step(run)
+        wait_for_first_step(run, launcher)
         assert processes_of(run / "job.json")  # torchrun and the ranks are running
         launcher.kill()
         launcher.wait()
@@ -171,7 +186,7 @@ def test_kill_9_of_the_launcher_leaves_a_log_and_no_orphan_ranks(tmp_path, tiny_
     finally:
         for pid in processes_of(run / "job.json"):
             os.kill(pid, signal.SIGKILL)
-    assert "'loss'" in (run / "train.log").read_text()  # written line by line, not lost in a buffer
+    assert FIRST_STEP.search((run / "train.log").read_text())  # written line by line, not lost in a buffer
 
 
 def test_kill_9_of_torchrun_is_no_success(tmp_path, tiny_model, data):
@@ -183,7 +198,7 @@ def test_kill_9_of_torchrun_is_no_success(tmp_path, tiny_model, data):
     launcher = start(*args(tiny_model, data, run, "max_steps=40", "save_steps=100", "stop_grace_period_s=60"),
                      out=tmp_path / "out")
     try:
-        wait_for_first_step(run)
+        wait_for_first_step(run, launcher)
         torchrun = _child_pids(launcher.pid)
         assert len(torchrun) == 1
         os.kill(torchrun[0], signal.SIGKILL)
@@ -229,7 +244,8 @@ def test_disk_full_names_path_need_and_free_and_keeps_the_last_good_checkpoint(t
     try:
         # Another writer fills the disk once the first checkpoint is sealed; the ranks are paused
         # meanwhile (SIGSTOP), so the next save is the one that meets the full disk.
-        wait_for(lambda: (run / "checkpoint-2" / "tuneledger_manifest.json").exists(), "checkpoint-2")
+        wait_for(lambda: (run / "checkpoint-2" / "tuneledger_manifest.json").exists(), "checkpoint-2", proc=launcher,
+                 log=run / "train.log")
         ranks = [r for t in _child_pids(launcher.pid) for r in _child_pids(t)]
         for r in ranks:
             os.kill(r, signal.SIGSTOP)
