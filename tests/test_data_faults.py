@@ -26,7 +26,7 @@ def test_non_utf8_line_names_file_and_line_and_the_rest_still_counts(tmp_path):
     assert [w for w, _ in rows] == [f"{p}:1", f"{p}:2", f"{p}:3"]
     bad = rows[1][1]
     assert isinstance(bad, Invalid) and bad.kind == "not UTF-8"
-    assert str(bad) == f"{p}:2: field '<line>': not UTF-8: byte 0xe9 at column 21"
+    assert str(bad) == f"{p}:2: the line: not UTF-8: byte 0xe9 at column 21"
     assert rows[0][1] == rows[2][1] == json.loads(GOOD)
 
 
@@ -125,7 +125,7 @@ def test_train_reports_invalid_records_exactly_as_stats(tmp_path, tiny_model):
     assert stats.returncode == train.returncode == 2, train.stdout + train.stderr
     lines = lambda out: [line for line in out.splitlines() if line.startswith("invalid ")]  # noqa: E731
     assert lines(stats.stdout) == lines(train.stdout) and len(lines(stats.stdout)) == 2
-    assert f"{data}:4: field '<line>': not UTF-8: byte 0xe9" in lines(train.stdout)[0]
+    assert f"{data}:4: the line: not UTF-8: byte 0xe9" in lines(train.stdout)[0]
     assert "was the file cut short?" in lines(train.stdout)[1]
     assert (tmp_path / "s" / "invalid.jsonl").read_text() == (tmp_path / "t" / "invalid.jsonl").read_text()
     assert "2 of 5 records are invalid" in train.stderr

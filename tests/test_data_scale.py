@@ -66,7 +66,7 @@ def test_stats_names_a_broken_json_list_and_goes_on(tmp_path, tiny_model):
                    f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}", "quantization_bit=null",
                    "global_batch_size=4"], cwd=ROOT, env=dict(os.environ))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"invalid {data}:32 (record 31): field '<record>': not valid JSON: Expecting property name enclosed in double " \
+    assert f"invalid {data}:32 (record 31): the record: not valid JSON: Expecting property name enclosed in double " \
            "quotes at line 32 column 36" in p.stdout
     assert f"{data}:32:36: not valid JSON: Expecting property name enclosed in double quotes; record 31 left out" in p.stderr
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())

@@ -424,8 +424,8 @@ def test_step_health_reads_the_step_log_and_the_adapter():
 
 
 @pytest.mark.parametrize("valid, val_size, train, needle", [
-    (3, 0.0, 3, "3 training record(s) in d.jsonl are fewer than one global batch (global_batch_size=16)"),
-    (20, 0.5, 10, "10 training record(s) (20 valid, 10 held out by val_size=0.5)"),
+    (3, 0.0, 3, "3 training records in d.jsonl are fewer than one global batch (global_batch_size=16)"),
+    (20, 0.5, 10, "10 training records (20 valid, 10 held out by val_size=0.5)"),
 ])
 def test_fewer_records_than_one_global_batch_is_refused_before_launch(tmp_path, valid, val_size, train, needle):
     """stats, dryrun and train share the gate: it names the counts and the batch that would work."""
@@ -438,7 +438,7 @@ def test_fewer_records_than_one_global_batch_is_refused_before_launch(tmp_path, 
               "train_records": train}
     why = gate(Prepared(tmp_path, report, [], False), cfg, world=2)
     fits = train // 2 * 2
-    assert why and needle in why and f"The largest global batch that works on 2 rank(s) is {fits}: global_batch_size={fits}" in why
+    assert why and needle in why and f"The largest global batch that works on 2 ranks is {fits}: global_batch_size={fits}" in why
     assert load_config(None, {"model_name_or_path": "m", "dataset": ["d.jsonl"], "global_batch_size": fits,
                               "per_device_train_batch_size": 1})  # the advice is a config that loads
     assert "fewer than the 4 ranks too" in gate(Prepared(tmp_path, {**report, "train_records": 3}, [], False), cfg, world=4)
@@ -544,7 +544,14 @@ def test_unfilled_placeholders_name_the_override_that_fills_them(tmp_path):
               "train_records": 1}
     why = gate(Prepared(tmp_path, report, inv, False), cfg)
     assert "fill the placeholders: placeholders.author=... placeholders.name=..." in why
-    assert "max_invalid_ratio=0.76" in why
+    assert "max_invalid_ratio=0.75" in why  # the smallest value that passes: the gate refuses above it
+    for invalid, total, want in ((1, 3, "0.34"), (1, 2, "0.5"), (3, 5, "0.6"), (99, 100, "0.99")):
+        report["records"] |= {"total": total, "valid": total - invalid, "invalid": invalid}
+        why = gate(Prepared(tmp_path, report, inv, False), cfg)
+        assert why.endswith(f"max_invalid_ratio={want}"), why
+        ok = load_config(None, {"model_name_or_path": "m", "dataset": ["identity.json"], "global_batch_size": 1,
+                                "max_invalid_ratio": float(want)})
+        assert not (gate(Prepared(tmp_path, report, inv, False), ok) or "").startswith(f"{invalid} of {total}")
 
 
 def test_export_and_chat_load_only_checkpoints_that_verify(tmp_path, capsys):

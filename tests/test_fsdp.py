@@ -118,7 +118,7 @@ def test_f_matches_ddp_and_resumes_ddp_f_ddp(tmp_path, tiny_model):
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
     f = train(tmp_path, tiny_model, "f", "F")
     assert f.returncode == 0, f.stdout[-3000:] + f.stderr[-3000:]
-    assert "FSDP2: the base sharded over 2 rank(s)" in f.stdout
+    assert "FSDP2: the base sharded over 2 ranks" in f.stdout
     led = json.loads((tmp_path / "f" / "train.json").read_text())
     assert led["model"]["levers"]["sharding"].startswith("FSDP2 (accelerate's plugin): units Qwen2DecoderLayer")
     want, got = losses(tmp_path / "ddp"), losses(tmp_path / "f")

@@ -120,7 +120,7 @@ def test_run_pick_prints_only_the_value_on_stdout(capsys):
 def test_run_pick_too_many_exits_1(capsys):
     assert run(args(shared_box(), "--pick", "2")) == 1
     out, err = capsys.readouterr()
-    assert out == "" and "2 free GPU(s) wanted, 1 free of 8" in err
+    assert out == "" and "2 free GPUs wanted, 1 free of 8" in err
 
 
 def test_run_table_and_json(capsys):

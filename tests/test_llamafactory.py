@@ -225,7 +225,7 @@ def lf_run(tmp_path: Path, tiny_model: Path, yaml: Path, *extra: str, verb: str 
 def test_lora_sft_example_trains_on_cpu(tmp_path, tiny_model):
     p = lf_run(tmp_path, tiny_model, LORA, "max_steps=2", "logging_steps=1", "--nproc", "1")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "LLaMA-Factory key(s) accepted and ignored" in p.stderr and "\n  overwrite_output_dir: " in p.stderr
+    assert "LLaMA-Factory keys accepted and ignored" in p.stderr and "\n  overwrite_output_dir: " in p.stderr
     out = tmp_path / "saves" / "qwen3-4b" / "lora" / "sft"  # the yaml's output_dir
     result = json.loads((out / "train.json").read_text())
     assert result["global_step"] == 2

@@ -50,7 +50,7 @@ def test_missing_local_model_is_named_by_every_verb(verb, workdir, no_hub, capsy
     rc = cli.main([verb, "job.yaml", "model_name_or_path=models/Qwen2.5-7B-Instruct", *(["--cpu"] if verb != "stats" else [])])
     out = capsys.readouterr()
     text = out.out + out.err
-    assert rc != 0
+    assert rc == 2  # bad input, as a dataset file that is not there (issue 21 (7): one code for bad input)
     assert "models/Qwen2.5-7B-Instruct: no such directory" in text and "make fetch MODEL=" in text
     assert "Traceback" not in text
     assert not (workdir / "runs" / "r").exists()  # a failed start leaves no empty run directory
@@ -61,7 +61,7 @@ def test_hub_id_offline_is_named_by_every_verb(verb, workdir, no_hub, capsys, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rc = cli.main([verb, "job.yaml", *(["--cpu"] if verb != "stats" else [])])
     text = "".join(capsys.readouterr())
-    assert rc != 0
+    assert rc == 2
     assert "the hub is offline (HF_HUB_OFFLINE=1)" in text
     assert "make fetch MODEL=Qwen/Qwen2.5-7B-Instruct" in text and "models/Qwen2.5-7B-Instruct" in text
 
@@ -71,7 +71,7 @@ def test_export_names_a_missing_base(workdir, no_hub, capsys):
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
     (ckpt / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "models/gone"}))
-    assert cli.main(["export", "--adapter", str(ckpt)]) == 1
+    assert cli.main(["export", "--adapter", str(ckpt)]) == 2
     assert "models/gone: no such directory" in capsys.readouterr().err
 
 
@@ -112,5 +112,5 @@ def test_nproc_beyond_the_visible_gpus_is_refused_naming_both(workdir, monkeypat
     assert launch.processes(False, 2) == (False, 2) and launch.processes(True, 8) == (True, 8)
     for verb in ("dryrun", "train"):
         assert cli.main([verb, "job.yaml", "model_name_or_path=models", "--nproc", "8"]) == 2
-        assert "NPROC=8 processes asked for, but 2 GPU(s) are visible" in capsys.readouterr().err
+        assert "NPROC=8 processes asked for, but 2 GPUs are visible" in capsys.readouterr().err
     assert not (workdir / "runs").exists()

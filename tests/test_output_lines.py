@@ -24,6 +24,9 @@ def test_dryrun_progress_line_says_its_estimate_covers_the_running_preset_only()
         "(1 more preset after it, not in this estimate: each steps at its own speed)")
     assert progress_line("dry-run preset D (4 of 4)", 5, 6, 10.0, dryrun=True).endswith("this preset ~0 min 10 s more (the last)")
     assert "the dry-run ~" not in line
+    # Said on a preset's first line; the lines after it would repeat it word for word.
+    assert progress_line("dry-run preset B (2 of 4)", 3, 6, 10.0, later_presets=2, dryrun=True, first=False) == (
+        "dry-run preset B (2 of 4): step 3/6, 10.00 s/step so far; this preset ~0 min 30 s more")
 
 
 def test_step_progress_prints_first_last_and_throttled(capsys, monkeypatch):
@@ -238,6 +241,29 @@ def test_the_same_verdict_for_every_preset_is_printed_once(capsys, monkeypatch):
     assert capsys.readouterr().out.strip().splitlines() == [f"VERDICT A, B, C, D: {same}"]
     dryrun_report.print_table({"presets": [], "verdicts": {"A": "compute-bound", "B": same}})
     assert capsys.readouterr().out.strip().splitlines() == ["VERDICT A: compute-bound", f"VERDICT B: {same}"]
+
+
+
+def test_what_every_preset_shares_is_printed_once():
+    """A fresh tester's CPU dry-run: four ~400-character levers lines that differ in one word, and
+    four verdicts that differ only in their measured details."""
+    from tuneledger.dryrun_report import common_lines, verdict_lines
+
+    base = {"attention": "sdpa", "liger": "off (needs a CUDA GPU)", "lora_dropout": 0.05}
+    levers = {p: dict(base) for p in "ABC"} | {"D": base | {"attention": "sdpa (packed rows under a block-diagonal mask)"}}
+    assert common_lines("levers", levers) == [
+        "levers A, B, C, D: liger off (needs a CUDA GPU); lora_dropout 0.05",
+        "levers A, B, C: attention sdpa",
+        "levers D: attention sdpa (packed rows under a block-diagonal mask)"]
+    assert common_lines("levers", {p: dict(base) for p in "AB"}) == [
+        "levers A, B: attention sdpa; liger off (needs a CUDA GPU); lora_dropout 0.05"]
+    assert common_lines("levers", {"C": base}) == ["levers C: attention sdpa; liger off (needs a CUDA GPU); lora_dropout 0.05"]
+    v = lambda mb: f"unknown: a CPU run measures no GPU [micro-batch {mb}; GC on] Lever: dry-run on the GPUs"  # noqa: E731
+    assert verdict_lines({"A": v(1), "B": v(2), "C": "compute-bound [util 97%] Lever: none"}) == [
+        "VERDICT A, B: unknown: a CPU run measures no GPU Lever: dry-run on the GPUs",
+        "  A: [micro-batch 1; GC on]", "  B: [micro-batch 2; GC on]",
+        "VERDICT C: compute-bound [util 97%] Lever: none"]
+    assert verdict_lines({"A": v(1), "B": v(1)}) == [f"VERDICT A, B: {v(1)}"]
 
 
 def test_peak_memory_is_the_gpus_or_on_a_cpu_the_rss():

@@ -160,7 +160,7 @@ def test_bad_input_exits_2_before_any_run(tmp_path):
     p = tl("tune", *base, "--budget", "abc")
     assert p.returncode == 2 and "--budget 'abc'" in p.stderr
     p = tl("tune", *base, "--micro-batches", "1,3")
-    assert p.returncode == 2 and "do(es) not divide global batch 4" in p.stderr
+    assert p.returncode == 2 and "3 does not divide global batch 4" in p.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return BAD_INPUT
     except PreflightError as e:  # e.g. model.locate_model, which each verb calls before anything heavy
         print(f"tuneledger {args.verb}: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     except KeyboardInterrupt:
         return 130
     except Exception as e:

@@ -200,7 +200,7 @@ class JobConfig(BaseModel):
                 return None
             bad = [w for w in words if w not in ("full_shard", "shard_grad_op", "auto_wrap", "offload", "true")]
             if bad:
-                raise ValueError(f"unknown option(s) {bad}: FSDP2 takes full_shard or shard_grad_op, with auto_wrap "
+                raise ValueError(f"unknown {'option' if len(bad) == 1 else 'options'} {bad}: FSDP2 takes full_shard or shard_grad_op, with auto_wrap "
                                  "and offload (LLaMA-Factory's form, e.g. \"full_shard auto_wrap\")")
             return " ".join(words)
         return v or None
@@ -307,5 +307,5 @@ def describe(cfg: JobConfig, world_size: int) -> str:
         f"packing {'on' if cfg.packing else 'off'}; cutoff_len {cfg.cutoff_len}; "
         f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha} dropout={cfg.lora_dropout}; "
         f"{'QLoRA 4-bit ' + cfg.quantization_type.upper() if cfg.quantization_bit else 'LoRA on an unquantized base'}"
-        f"{'; FSDP2: the base sharded over ' + str(world_size) + ' rank(s)' if cfg.sharded else ''}"
+        f"{'; FSDP2: the base sharded over ' + str(world_size) + ' rank' + ('s' if world_size != 1 else '') if cfg.sharded else ''}"
     )

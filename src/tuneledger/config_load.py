@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from tuneledger import llamafactory
 from tuneledger.config import FIELDS, PRESETS, ConfigError, JobConfig
 from tuneledger.llamafactory_use import benchmark_eval
+from tuneledger.words import plural
 
 
 def _is_text(annotation: Any) -> bool:
@@ -196,7 +197,7 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] =
     text = "\n  ".join(ignored)
     if ignored and text not in _ANNOUNCED:
         _ANNOUNCED.add(text)
-        print(f"config: {len(ignored)} LLaMA-Factory key(s) accepted and ignored (they do not apply here; "
+        print(f"config: {plural(len(ignored), 'LLaMA-Factory key')} accepted and ignored (they do not apply here; "
               f"docs/llamafactory-keys.md):\n  {text}", file=sys.stderr, flush=True)
     return cfg
 
@@ -242,7 +243,7 @@ def add_preset_option(parser: Any, allow_all: bool = False) -> None:
                                          + (" or all" if allow_all else ""))
 
     parser.add_argument("--preset", type=preset,
-                        metavar="{A,B,C,D,all}" if allow_all else "{A,B,C,D}",
+                        metavar="{" + ",".join(PRESETS) + (",all}" if allow_all else "}"),
                         help="one preset, or all of them ranked (default: the config's preset)" if allow_all
                         else "the preset (same as preset=X; default: the config's)")
     parser.set_defaults(preset_all=allow_all)

@@ -62,6 +62,8 @@ class Invalid:
             setattr(self, name, getattr(self, name).encode("utf-8", "backslashreplace").decode("utf-8"))
 
     def __str__(self) -> str:
+        if self.field in ("<line>", "<record>"):  # the whole line or record, not one of its fields
+            return f"{self.where}: the {self.field.strip('<>')}: {self.reason}"
         return f"{self.where}: field '{self.field}': {self.reason}"
 
     def as_dict(self) -> dict:
@@ -76,7 +78,7 @@ def read_records(path: str | Path, seen: dict | None = None) -> Iterator[tuple[s
     JSONL line that is not JSON (a file truncated mid-line included), a line or a JSON-list
     record with bytes that are not UTF-8 (see `bad_text`), JSON nested too deeply, a number
     Python refuses. A JSON list that breaks is not fatal either: each element that does not
-    parse is an Invalid (field '<record>', kind "not valid JSON", with json's line:column) and
+    parse is an Invalid (the record, kind "not valid JSON", with json's line:column) and
     reading goes on after it; a list the file ends inside, or text after its ']', is one Invalid
     more (field '<file>'). Each break is also said on stderr (the first SHOW_BROKEN per file). A
     UTF-8 byte-order mark is accepted at the start of the file and, in JSONL, of any line (files

@@ -7,12 +7,15 @@ data or beside it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from tuneledger.words import plural
 
 if TYPE_CHECKING:  # prepare.Prepared and data.Invalid are named as strings: prepare and data import this module
     from tuneledger.config import JobConfig
@@ -94,16 +97,16 @@ def gate(prep: "Prepared", cfg: JobConfig, world: int = 1) -> str | None:
             fix = "fill the placeholders: " + " ".join(f"placeholders.{k}=..." for k in keys) + ", or fix the data"
         return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
                 f"max_invalid_ratio={cfg.max_invalid_ratio}; {fix}, or raise it: max_invalid_ratio="
-                f"{min(1.0, round(rec['invalid'] / rec['total'] + 0.005, 2)):g}")
+                f"{math.ceil(round(rec['invalid'] * 100 / rec['total'], 9)) / 100:g}")  # the smallest that passes (the check is >)
     train = prep.report.get("train_records", rec["valid"])
     if train < cfg.global_batch_size:
         held = f" ({rec['valid']:,} valid, {rec['valid'] - train:,} held out by val_size={cfg.val_size:g})" if cfg.val_size else ""
-        head = (f"{train:,} training record(s){held} in {', '.join(cfg.dataset)} are fewer than one global batch "
+        head = (f"{plural(train, 'training record')}{held} in {', '.join(cfg.dataset)} are fewer than one global batch "
                 f"(global_batch_size={cfg.global_batch_size}): not one full step. ")
         if train < world:
-            return head + f"They are fewer than the {world} ranks too: add data, or run on {train} rank(s) or fewer"
+            return head + f"They are fewer than the {world} ranks too: add data, or run on {plural(train, 'rank')} or fewer"
         fits = train // world * world  # micro-batch 1 x accumulation fits/world makes any multiple of the ranks
-        return head + (f"The largest global batch that works on {world} rank(s) is {fits}: global_batch_size={fits}"
+        return head + (f"The largest global batch that works on {plural(world, 'rank')} is {fits}: global_batch_size={fits}"
                        + (" per_device_train_batch_size=1" if world > 1 else "") + ", or add data")
     return None
 

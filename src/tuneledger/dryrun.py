@@ -304,7 +304,7 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
         eval_prep = prepare_eval(base)
     except PreflightError as e:  # a DataError is bad input: cli.main says it and exits 2
         print(f"tuneledger dryrun: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     stats = prep.report
     owner = run_data_hash(out_root, training_only=True)
     if owner and owner[0] != stats["cache_key"]:

@@ -60,7 +60,7 @@ def markdown(led: dict) -> str:
         if "skipped" in r:
             lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
     # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py).
-    lines += [""] + [f"- levers {r['preset']}: {levers_line(r['model'].get('levers') or {})}" for r in rows]
+    lines += [""] + common_lines("- levers", {r["preset"]: r["model"].get("levers") or {} for r in rows})
     lines += eta_markdown(rows)
     fit = [r for r in rows if r.get("per_gpu_peak")]
     if fit:
@@ -214,13 +214,45 @@ def print_table(led: dict) -> None:
         print(f"total steps {r['eta']['total_steps']:,} ({plural(r['eta']['checkpoints'], 'checkpoint')} of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
               f"steady state after {led['warmup_steps']} warm-up steps; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
               f"({r['model']['trainable_pct']}%)")
-        for row in rows:
-            print(f"levers {row['preset']}: {levers_line(row['model'].get('levers') or {})}")
-    verdicts = led.get("verdicts") or {}
-    if len(verdicts) > 1 and len(set(verdicts.values())) == 1:  # a CPU run: the same "unknown" for each
-        print(f"VERDICT {', '.join(verdicts)}: {next(iter(verdicts.values()))}")
-    else:
-        for preset, line in verdicts.items():
-            print(f"VERDICT {preset}: {line}")
+        for line in common_lines("levers", {row["preset"]: row["model"].get("levers") or {} for row in rows}):
+            print(line)
+    for line in verdict_lines(led.get("verdicts") or {}):
+        print(line)
     if led.get("finding"):
         print(f"FINDING: {led['finding']}")
+
+
+def common_lines(head: str, per_preset: dict[str, dict]) -> list[str]:
+    """`head A, B: k v; ...` once for what every preset shares, then `head D: k v` for each preset's
+    own values: four ~400-character lines that differ in one word read as noise. One preset: one line."""
+    if len(per_preset) < 2:
+        return [f"{head} {p}: {levers_line(v)}" for p, v in per_preset.items()]
+    first = next(iter(per_preset.values()))
+    shared = {k: v for k, v in first.items() if all(d.get(k, object()) == v for d in per_preset.values())}
+    out = [f"{head} {', '.join(per_preset)}: {levers_line(shared)}"] if shared else []
+    own: dict[str, list[str]] = {}  # the rest, with the presets that share it
+    for p, d in per_preset.items():
+        rest = levers_line({k: v for k, v in d.items() if k not in shared})
+        if rest:
+            own.setdefault(rest, []).append(p)
+    return out + [f"{head} {', '.join(ps)}: {rest}" for rest, ps in own.items()]
+
+
+def verdict_lines(verdicts: dict[str, str]) -> list[str]:
+    """`VERDICT A, B: <verdict> Lever: <lever>` once for presets that share a verdict and a lever
+    (a CPU run: "unknown" for all), then each one's own measured `[details]` where they differ."""
+    groups: dict[tuple[str, str | None], list[tuple[str, str]]] = {}
+    for preset, line in verdicts.items():
+        head, sep, rest = line.partition(" [")
+        details, sep2, lever = rest.partition("] ")
+        key = (head, lever) if sep and sep2 else (line, None)
+        groups.setdefault(key, []).append((preset, details if sep and sep2 else ""))
+    out = []
+    for (head, lever), members in groups.items():
+        names = ", ".join(p for p, _ in members)
+        if len(members) == 1 or len({d for _, d in members}) == 1:
+            out.append(f"VERDICT {names}: {verdicts[members[0][0]]}")
+        else:
+            out.append(f"VERDICT {names}: {head} {lever}")
+            out += [f"  {p}: [{d}]" for p, d in members]
+    return out

@@ -57,6 +57,7 @@ from tuneledger.loading import checkpoint_step, run_conversations, run_dir
 from tuneledger.model import PreflightError, read_model_config
 from tuneledger.perms import apply_umask
 from tuneledger.tokenizer_load import load_tokenizer
+from tuneledger.words import plural
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
@@ -271,16 +272,16 @@ def run(args: argparse.Namespace) -> int:
                      int(use.get("export_size", 2)), use.get("template"))
     except (ExportError, LoadError, PreflightError) as e:
         print(f"tuneledger export: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     v = led["verification"]
     m = v["merge_fp32"]
     step = f" (step {led['step']})" if led.get("step") is not None else ""
     print(f"exported {led['checkpoint']}{step} + {led['base']} -> {led['out']}: {led['safetensors_bytes'] / 1e9:.2f} GB in "
-          f"{led['shards']} shard(s), {led['dtype']}, {led['seconds']} s; eos ids {led['eos_token_ids']}\n"
+          f"{plural(led['shards'], 'shard')}, {led['dtype']}, {led['seconds']} s; eos ids {led['eos_token_ids']}\n"
           f"verified on {v['prompts']} prompts: fp32 merge {m['merge_error_rel']:.1e} of the logit scale off base + "
           f"adapter (tolerance {m['rtol']:.0e}; the adapter moves them {m['adapter_effect_rel']:.1e}); files hold the "
           f"merged weights exactly ({v['files']['tensors']} tensors); after rounding to {led['dtype']}: "
-          f"{v['positions'] - v['tie_flips']}/{v['positions']} greedy tokens identical ({v['tie_flips']} ties), "
+          f"{v['positions'] - v['tie_flips']}/{v['positions']} greedy tokens identical ({plural(v['tie_flips'], 'tie')}), "
           f"{v['greedy_identical']}/{v['prompts']} continuations identical, max relative logit difference "
           f"{v['max_rel_logit_diff']:.1e} (tolerance {v['rtol']:g})")
     if led["synthetic"]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from tuneledger.monitor.backends import PynvmlBackend
 from tuneledger.monitor.sampler import Monitor
+from tuneledger.words import plural
 
 # Default for --max-used-mib. An idle GPU with no context should read near 0 (NVML memory v2
 # leaves the driver's reservation out; what an idle H200 reads is for the device run to confirm);
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     value = pick(judged, args.pick, True if args.uuid else None)
     n_free = sum(r["verdict"] == "free" for r in judged)
     if value is None:
-        print(f"tuneledger gpus: {args.pick} free GPU(s) wanted, {n_free} free of {len(judged)}", file=sys.stderr)
+        print(f"tuneledger gpus: {plural(args.pick, 'free GPU')} wanted, {n_free} free of {len(judged)}", file=sys.stderr)
         return 1
     print(value)
     return 0

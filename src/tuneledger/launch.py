@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tuneledger.config import ConfigError
 from tuneledger.nodes import Nodes, nccl_env
+from tuneledger.words import plural
 
 # The last line of a Python traceback, with or without torchrun's "[rankN]: " prefix.
 ROOT_CAUSE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:.*)$")
@@ -118,7 +119,7 @@ def processes(cpu: bool, nproc: int | None) -> tuple[bool, int]:
         raise ConfigError(f"--nproc / NPROC must be at least 1, got {nproc}")
     if gpus and nproc and nproc > gpus:
         # Two ranks on one GPU would each hold a whole model copy and fight for its memory.
-        raise ConfigError(f"NPROC={nproc} processes asked for, but {gpus} GPU(s) are visible"
+        raise ConfigError(f"NPROC={nproc} processes asked for, but {plural(gpus, 'GPU')} {'is' if gpus == 1 else 'are'} visible"
                           f"{' (CUDA_VISIBLE_DEVICES=' + os.environ['CUDA_VISIBLE_DEVICES'] + ')' if os.environ.get('CUDA_VISIBLE_DEVICES') else ''}: "
                           f"DDP runs one process per GPU. Set NPROC to {gpus} or fewer, or leave it unset for every visible GPU.")
     return gpus == 0, nproc or gpus or 2

@@ -24,6 +24,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from tuneledger.words import plural  # noqa: F401  (ledger.plural, as the verbs import it)
+
 GIB = 2**30
 # A 24 GB card (RTX 4090: 24,564 MiB) keeps ~1 GiB for the CUDA context, cuBLAS workspace and NCCL
 # buffers, so the allocator may use about 23 GiB; the fit is proved by capping it there.
@@ -244,11 +246,6 @@ def run_loss(log_history: list[dict], resumed_step: int = 0) -> dict:
 def compiled(model_info: dict) -> bool:
     """Whether a worker compiled its decoder layers: its `levers` line (model.load_model)."""
     return str((model_info or {}).get("levers", {}).get("compile", "")).startswith("on")
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """'1 checkpoint', '2 checkpoints'; `many` for another plural ('process', 'processes')."""
-    return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
 def fmt_h(seconds: float) -> str:

@@ -12,7 +12,17 @@ from pathlib import Path
 
 
 class PreflightError(RuntimeError):
-    """A check that runs before weights load failed. The message says what to fix."""
+    """A check that runs before weights load failed. The message says what to fix. The verbs exit
+    with `exit_code`: 1, a check of the machine or the model failed (docs/runs-and-output.md)."""
+
+    exit_code = 1
+
+
+class ModelNotFound(PreflightError):
+    """The model named on the command line or in the config is not there: bad input, exit 2, as a
+    dataset file that is not there."""
+
+    exit_code = 2
 
 
 def hub_offline() -> str | None:
@@ -68,13 +78,13 @@ def locate_model(name: str) -> Path | None:
     if looks_like_path(name):
         # The hub id is not known from a folder name (its organisation is not in it): say where
         # the id goes, with a real id as the example, and never make one up.
-        raise PreflightError(f"model {name}: no such directory (relative to {Path.cwd()}). `make fetch MODEL=<hub id>` "
+        raise ModelNotFound(f"model {name}: no such directory (relative to {Path.cwd()}). `make fetch MODEL=<hub id>` "
                              f"downloads a model into models/<name>: `make fetch MODEL=<organisation>/{local.name}` "
                              f"makes models/{local.name} (e.g. MODEL=Qwen/Qwen2.5-7B-Instruct makes "
                              "models/Qwen2.5-7B-Instruct).")
     offline = hub_offline()
     if offline:
-        raise PreflightError(f"model {name}: no such directory, and the hub is offline ({offline}). `make fetch "
+        raise ModelNotFound(f"model {name}: no such directory, and the hub is offline ({offline}). `make fetch "
                              f"MODEL={name}` downloads it into models/{local.name} where the hub, or a mirror set in "
                              f"HF_ENDPOINT, is reachable; then use MODEL=models/{local.name}.")
     return None

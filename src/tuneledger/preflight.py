@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ok  {line}")
     except PreflightError as e:
         print(f"FAIL {e}")
-        return 1
+        return getattr(e, "exit_code", 1)
     return 0
 
 

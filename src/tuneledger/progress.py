@@ -25,13 +25,16 @@ from tuneledger.ledger import fmt_h, plural
 
 
 def progress_line(label: str, step: int, total: int, s_per_step: float, *, later_presets: int = 0,
-                  dryrun: bool = False) -> str:
-    """The progress line; `step` of `total` steps done at `s_per_step`. A dry-run's (`dryrun`)
-    names the `later_presets` still to run after this one, which its estimate leaves out."""
+                  dryrun: bool = False, first: bool = True) -> str:
+    """The progress line; `step` of `total` steps done at `s_per_step` (s). A dry-run's (`dryrun`)
+    names, on a preset's `first` line only, the `later_presets` still to run after this one, which
+    its estimate leaves out (said once: the lines after it would repeat it word for word)."""
     left = max(0, total - step) * s_per_step
     if not dryrun:
         return f"{label}: step {step}/{total}, {s_per_step:.2f} s/step so far; ETA {fmt_h(left)}"
     text = f"{label}: step {step}/{total}, {s_per_step:.2f} s/step so far; this preset ~{fmt_h(left)} more"
+    if not first:
+        return text
     if not later_presets:
         return text + " (the last)"
     return text + f" ({plural(later_presets, 'more preset')} after it, not in this estimate: each steps at its own speed)"
@@ -76,8 +79,8 @@ class StepProgress(TrainerCallback):
             return
         self._last_print = now
         per_step = (now - self._t0) / max(1, step - self._first_step)
-        print(progress_line(self.label, step, total, per_step, later_presets=self.later_presets, dryrun=self.dryrun),
-              flush=True)
+        print(progress_line(self.label, step, total, per_step, later_presets=self.later_presets, dryrun=self.dryrun,
+                            first=step == self._first_step + 1), flush=True)
 
 
 # The Trainer's end-of-run metrics: `tuneledger train` prints the run's own summary (its loss over

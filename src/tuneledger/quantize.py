@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
                        args.device)
     except (QuantizeError, PreflightError) as e:
         print(f"tuneledger quantize: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     q, b, w = led["quality"], led["bytes"], led["weights"]
     tag = " (SYNTHETIC weights: the quality numbers only show the pipeline runs)" if led["synthetic"] else ""
     print(f"quantized {led['source']} -> {led['out']}{tag}\n"

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         prep = prepare(cfg, tokenizer)
     except PreflightError as e:  # a DataError is bad input: cli.main says it and exits 2
         print(f"tuneledger stats: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     render(prep, cfg, tokenizer)
     problem = gate(prep, cfg, world)
     path = write(prep, cfg, gate_passed=not problem)

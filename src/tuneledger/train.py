@@ -160,7 +160,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         eval_prep = prepare_eval(cfg)
     except PreflightError as e:  # a DataError is bad input: cli.main says it and exits 2
         print(f"tuneledger train: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     out.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
     from tuneledger.guards import data_changes, resume_conflicts  # torch: only once a run is asked for
 

@@ -104,7 +104,7 @@ def parse_micro_batches(text: str | None, global_batch: int, world: int) -> list
         values.append(int(part))
     bad = [m for m in values if per_rank % m]
     if bad:
-        raise ConfigError(f"--micro-batches {text!r}: {', '.join(map(str, bad))} do(es) not divide global batch {global_batch} / "
+        raise ConfigError(f"--micro-batches {text!r}: {', '.join(map(str, bad))} {'does' if len(bad) == 1 else 'do'} not divide global batch {global_batch} / "
                           f"world size {world} = {per_rank}: gradient accumulation would not be whole")
     return sorted(set(values))
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from tuneledger.config import FIELDS, ConfigError
 from tuneledger.config_load import key_lines, parse_overrides, read_yaml_mapping, suggest
+from tuneledger.words import plural
 
 _ANNOUNCED: set[str] = set()
 
@@ -77,7 +78,8 @@ def resolve_use(verb: str, items: list[str]) -> Use:
             elif verdict.status == "refused":
                 problems.append(f"{at}: {key}: {value!r} is not supported by `tuneledger {verb}`: {verdict.text}")
             elif verdict.status == "ignored":
-                ignored.append(f"{key}: {verdict.text}")
+                if value is not None:  # `quantization_bit: null` asks for nothing: nothing to report
+                    ignored.append(f"{key}: {verdict.text}")
                 keys.pop(key, None)
             else:
                 keys[key] = value
@@ -105,13 +107,16 @@ def resolve_use(verb: str, items: list[str]) -> Use:
         raise ConfigError(f"{where}: nothing to load: give adapter_name_or_path (the adapter) with model_name_or_path "
                           "(its base), or a RUN (runs/RUN or a folder)")
     training = [i for i in ignored if ": a training setting: " in i]
+    # A training config's own settings are the run's, which the verb reads from the run's record:
+    # listing them would only repeat the config back. An LF merge/inference yaml's are worth a line.
     shown = [i for i in ignored if i not in training] + (
-        [f"{len(training)} training setting(s) ({', '.join(i.split(':')[0] for i in training[:4])}"
-         f"{', ...' if len(training) > 4 else ''}): {verb} uses the model as it was trained"] if training else [])
+        [f"{plural(len(training), 'training setting')} ({', '.join(i.split(':')[0] for i in training[:4])}"
+         f"{', ...' if len(training) > 4 else ''}): {verb} uses the model as it was trained"] if training and "dataset" not in raw else [])
     text = "\n  ".join(shown)
-    if ignored and text not in _ANNOUNCED:
+    if shown and text not in _ANNOUNCED:
         _ANNOUNCED.add(text)
-        print(f"config: {len(ignored)} key(s) accepted and ignored by `tuneledger {verb}` "
+        n = len(ignored) if "dataset" not in raw else len(shown)
+        print(f"config: {plural(n, 'key')} accepted and ignored by `tuneledger {verb}` "
               f"(docs/llamafactory-keys.md):\n  {text}", file=sys.stderr, flush=True)
     job = {k: v for k, v in keys.items() if k in FIELDS and k not in ("model_name_or_path", "output_dir", "run_name")}
     return Use(verb, where, run, str(base) if base else None, keys, job, ignored)

@@ -33,6 +33,7 @@ from tuneledger import costmodel as cm
 from tuneledger.eta import STARTUP, n_saves
 from tuneledger.hwtable import Hardware, WhatifError, builtin, for_ledger_gpu, from_yaml, known_line, parse_gpus
 from tuneledger.ledger import fmt_h
+from tuneledger.words import plural
 
 ROW_FIELDS = ("preset", "micro_batch", "gradient_checkpointing", "packing", "s_per_step", "tokens_per_step", "split",
               "memory_mib", "model", "config")
@@ -119,9 +120,9 @@ def describe(pred: dict, src: dict, hw: Hardware, e: dict) -> list[str]:
     """The lines of one prediction: every part, so the reader sees why."""
     n, p, st, g = pred["gpus"], pred, pred["step"], pred["gpu"]
     ar, mem = pred["allreduce"], pred["memory"]
-    lines = [f"preset {p['preset']}: micro-batch {p['micro_batch']} x {n} GPU(s) x accumulation {p['ga']} = global batch "
+    lines = [f"preset {p['preset']}: micro-batch {p['micro_batch']} x {plural(n, 'GPU')} x accumulation {p['ga']} = global batch "
              f"{src['G']}; gradient checkpointing {'on' if p['gc'] else 'off'}; packing {'on' if p['packing'] else 'off'}",
-             f"  {p['s_per_step']:.3f} s/step = {p['ga']} micro-batch(es) x {p['micro_s']:.3f} + all-reduce {st['allreduce']:.3f} "
+             f"  {p['s_per_step']:.3f} s/step = {plural(p['ga'], 'micro-batch', 'micro-batches')} x {p['micro_s']:.3f} + all-reduce {st['allreduce']:.3f} "
              f"+ sync wait {st['sync_wait']:.3f} + optimizer {st['optimizer']:.3f} + data wait {st['data_wait']:.3f}",
              f"  {p['tokens_per_s']:,.0f} tokens/s ({p['tokens_per_s_per_gpu']:,.0f} per GPU) over {src['row']['tokens_per_step']:,.0f} "
              f"real tokens a step"]

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from tuneledger.monitor.backends import NvmlError, PynvmlBackend
 from tuneledger.monitor.csvlog import CsvLog
 from tuneledger.monitor.rows import UTC, blank_row, iso
+from tuneledger.words import plural
 
 # NVML clock event ("throttle") reason bits; the values are NVML's, stable across versions.
 THROTTLE_BITS = [
@@ -188,7 +189,7 @@ class Monitor:
         if bad:
             self._reset()
         elif self._warned:
-            print_err(f"tuneledger monitor: all {len(rows)} GPU(s) sampled again")
+            print_err(f"tuneledger monitor: all {plural(len(rows), 'GPU')} sampled again")
             self._warned.clear()
         return rows
 
