@@ -359,3 +359,20 @@ def test_torchruns_own_traceback_after_a_stop_is_one_line():
     assert "".join(StopTraceback(None).shown(line, None) for line in tb) == "".join(tb)  # no stop: as it came
     cut = StopTraceback(None)
     assert [cut.shown(line, "SIGTERM") for line in tb[:2]] == ["", ""] and cut.shown("", None) == "".join(tb[:2])
+
+
+def test_no_count_is_printed_with_a_maybe_plural():
+    """Issue 21 (15), found again by a second tester in strings the first fix missed: 'GPU(s)',
+    'key(s)', 'do(es)'. Every string literal in the package is scanned; counts go through
+    tuneledger.words.plural. A unit in parentheses ('time (s)') has a space before it and passes."""
+    import io
+    import re
+    import tokenize
+
+    src = Path(__file__).resolve().parents[1] / "src" / "tuneledger"
+    found = []
+    for f in sorted(src.rglob("*.py")):
+        for tok in tokenize.generate_tokens(io.StringIO(f.read_text()).readline):
+            if tok.type in (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)) and re.search(r"[A-Za-z]\((s|es)\)", tok.string):
+                found.append(f"{f.relative_to(src)}:{tok.start[0]}: {tok.string[:80]}")
+    assert not found, "\n".join(found)

@@ -1,4 +1,4 @@
-"""Counts said in words: '1 checkpoint', '2 checkpoints', never '2 checkpoint(s)'. A leaf module:
+"""Counts said in words: '1 checkpoint', '2 checkpoints' (never a maybe-plural in parentheses). A leaf module:
 every layer (config, data, the verbs, the monitor) may use it."""
 
 from __future__ import annotations
