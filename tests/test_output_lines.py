@@ -376,3 +376,23 @@ def test_no_count_is_printed_with_a_maybe_plural():
             if tok.type in (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)) and re.search(r"[A-Za-z]\((s|es)\)", tok.string):
                 found.append(f"{f.relative_to(src)}:{tok.start[0]}: {tok.string[:80]}")
     assert not found, "\n".join(found)
+
+
+def test_a_table_off_a_terminal_has_no_trailing_blanks_nor_colour_codes():
+    """A tester's log: the ledger's and stats' title lines carried ~50-90 trailing spaces (rich pads
+    each line to the table's width), and gpus' verdicts would carry colour codes into a file."""
+    import io
+
+    from rich.table import Table
+
+    from tuneledger.tables import print_table
+
+    t = Table(title="dry-run ledger: 2 x cpu  [SYNTHETIC model]", title_justify="left")
+    t.add_column("preset")
+    t.add_column("a long column header that widens the table")
+    t.add_row("A", "[green]free[/]")
+    out = io.StringIO()
+    print_table(t, file=out, width=100)
+    text = out.getvalue()
+    assert text.splitlines()[0] == "dry-run ledger: 2 x cpu  [SYNTHETIC model]"
+    assert all(line == line.rstrip() for line in text.splitlines()) and "\x1b[" not in text and "free" in text

@@ -6,7 +6,6 @@ from dryrun.py, which measures them; nothing here measures or computes beyond fo
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -200,12 +199,12 @@ def table(led: dict) -> Any:
 
 
 def print_table(led: dict) -> None:
-    from rich.console import Console
+    from tuneledger import tables
 
     t = table(led)
     rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
     # A pipe or a log file gets 100 columns rather than rich's 80-column default.
-    Console(width=None if sys.stdout.isatty() else 100).print(t)
+    tables.print_table(t, width=100)
     for r in led["presets"]:
         if "skipped" in r:
             print(f"preset {r['preset']} skipped: {r['skipped']}")

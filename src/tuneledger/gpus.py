@@ -101,7 +101,7 @@ def pick(judged: list[dict], n: int, use_uuid: bool | None = None) -> str | None
 
 
 def render(judged: list[dict], max_used_mib: float, stream: Any) -> None:
-    from rich.console import Console
+    from tuneledger.tables import print_table
     from rich.table import Table
 
     t = Table(title=f"tuneledger gpus: free = under {max_used_mib:,.0f} MiB used and no compute process",
@@ -117,7 +117,7 @@ def render(judged: list[dict], max_used_mib: float, stream: Any) -> None:
                   str(r["n_procs"]) if r.get("n_procs") is not None else "-",
                   f"[{style[r['verdict']]}]{r['reason']}[/]")
     # Auto width on a terminal; 160 columns into a pipe or file, so reasons are not cut short.
-    Console(file=stream, width=None if getattr(stream, "isatty", lambda: False)() else 160).print(t)
+    print_table(t, file=stream, width=160)
 
 
 def add_parser(sub: Any) -> None:

@@ -20,11 +20,11 @@ from tuneledger.prepare import Prepared, checked_tokenizer, prepare
 
 
 def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from tuneledger.tables import print_table
+
     r = prep.report
-    console = Console(width=None if sys.stdout.isatty() else 120)
     t = Table(title=f"tuneledger stats: {', '.join(cfg.dataset)}", show_header=False, title_justify="left")
     t.add_column("what", style="bold")
     t.add_column("value", justify="right")
@@ -49,7 +49,7 @@ def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
     t.add_row("cache", f"{prep.path}{' (hit)' if prep.from_cache else ''}")
     if prep.rebuilt:  # the damaged cache found there, set aside; this one was built again
         t.add_row("cache rebuilt (1 damaged)", prep.rebuilt)
-    console.print(t)
+    print_table(t, width=120)
     print_invalid(prep, cfg)
 
 
