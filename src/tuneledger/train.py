@@ -196,7 +196,9 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         print(f"resuming from {resume} (step {state['global_step']} of {steps})")
     held = prep.report.get("eval_records", 0)
     print(f"data: {prep.report['records']['valid']:,} records, {prep.report['tokens']['trained']:,} tokens; "
-          f"{steps:,} optimizer steps, a checkpoint every {cfg.save_steps}"
+          f"{plural(steps, 'optimizer step')}, "
+          + (f"a checkpoint every {cfg.save_steps} steps and at the end" if cfg.save_steps < steps
+             else f"one checkpoint, at the end (save_steps={cfg.save_steps})")
           + (f"; {held:,} records held out for evaluation (val_size={cfg.val_size:g}, seed {cfg.seed})" if held else ""))
     if cfg.evaluates:
         every = "each epoch" if cfg.eval_strategy == "epoch" else f"every {cfg.eval_steps or cfg.save_steps} steps"
