@@ -4,6 +4,7 @@ at step 2 and resumed to 4."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -25,10 +26,24 @@ def resumed(tmp_path_factory, tiny_model) -> tuple[Path, str]:
     args = ["train", str(ROOT / "configs/tiny.yaml"), f"model_name_or_path={tiny_model}", f"dataset={data}",
             f"output_dir={run}", f"cache_dir={tmp / 'cache'}", "cutoff_len=128", "global_batch_size=2",
             "save_steps=2", "logging_steps=1", "--cpu", "--nproc", "2"]
+    outs = []
     for steps in (2, 4):
         p = procs.run([sys.executable, "-m", "tuneledger", *args, f"max_steps={steps}"], cwd=ROOT)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return run, p.stdout + p.stderr
+        outs.append(p.stdout + p.stderr)
+    (tmp / "first.out").write_text(outs[0])
+    return run, outs[1]
+
+
+def test_without_an_eta_check_the_command_still_says_its_time(resumed):
+    """A fresh tester: with no dry-run ledger (an LF config's first run) or on a resume, train
+    printed no wall time at all, so the tool's clock could not be held against `time`'s."""
+    run, out = resumed
+    first = (run.parent / "first.out").read_text()
+    assert re.search(r"ETA check: none \(no dry-run ledger at .*\); .*; this command took \d+ min \d\d s "
+                     r"\(process start to this line", first), first[-2000:]
+    assert re.search(r"This command took \d+ min \d\d s \(process start to this line.*\); no ETA check: a resumed "
+                     "run is part of what the dry-run predicted", out), out[-2000:]
 
 
 def test_the_launcher_names_the_checkpoint_and_its_step(resumed):

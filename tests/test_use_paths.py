@@ -45,3 +45,19 @@ def test_a_training_config_whose_run_is_not_trained_says_so(tmp_path, monkeypatc
     cfg.write_text("model_name_or_path: models/base\ndataset: data.json\noutput_dir: saves/qwen-sft\n")
     with pytest.raises(ConfigError, match=r"sft.yaml:3: output_dir: saves/qwen-sft does not exist; this config's run has not been trained"):
         resolve_use("chat", [str(cfg)])
+
+
+@pytest.mark.parametrize("verb", ["export", "chat", "eval"])
+def test_a_run_that_is_not_there_is_bad_input_in_either_spelling(verb, tmp_path, monkeypatch, capsys):
+    """A fresh tester: `export nosuchrun` exited 1 while the same adapter named in a merge yaml
+    exited 2. A thing named that is not there is bad input (2) however it is named."""
+    from tuneledger import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "merge.yaml").write_text("model_name_or_path: models/base\nadapter_name_or_path: saves/nope\n")
+    (tmp_path / "d.jsonl").write_text('{"instruction": "q", "output": "a"}\n')
+    what = ["--dataset", "d.jsonl"] if verb == "eval" else []  # eval asks what to score first
+    assert cli.main([verb, "nosuchrun", *what]) == 2
+    assert "no run 'nosuchrun': neither nosuchrun nor runs/nosuchrun exists" in capsys.readouterr().err
+    assert cli.main([verb, "merge.yaml", *what]) == 2
+    assert "merge.yaml:2: adapter_name_or_path: saves/nope does not exist" in capsys.readouterr().err

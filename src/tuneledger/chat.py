@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = load(use.run, args.checkpoint, args.base or use.base, args.device)
     except LoadError as e:
         print(f"tuneledger chat: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     if use.get("default_system") is not None:
         loaded.config = {**loaded.config, "default_system": use.get("default_system")}
     # What was loaded and where it came from: an export's checkpoint and step, an adapter's step.

@@ -199,7 +199,17 @@ def publish_final(ckpt: Path, out_dir: Path) -> list[str]:
 
 # ------------------------------------------------------------------------- finding checkpoints
 class LoadError(RuntimeError):
-    """The run, checkpoint or base cannot be found or loaded; the message says which and what to do."""
+    """The run, checkpoint or base cannot be found or loaded; the message says which and what to do.
+    The verbs exit with `exit_code` (docs/runs-and-output.md)."""
+
+    exit_code = 1
+
+
+class RunNotFound(LoadError):
+    """The run named on the command line is not there: bad input (exit 2), as a config file, a
+    dataset or a model that is not there."""
+
+    exit_code = 2
 
 
 def last_checkpoint(out_dir: Path, require: tuple[str, ...] = ()) -> str | None:

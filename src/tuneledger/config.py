@@ -301,7 +301,7 @@ def resolve(cfg: JobConfig, world_size: int) -> JobConfig:
 def describe(cfg: JobConfig, world_size: int) -> str:
     """One line with the batch arithmetic, printed at the start of every run."""
     return (
-        f"preset {cfg.preset or '-'}: micro-batch {cfg.per_device_train_batch_size} x world size {world_size} "
+        f"{'preset ' + cfg.preset if cfg.preset else 'no preset (the config as written)'}: micro-batch {cfg.per_device_train_batch_size} x world size {world_size} "
         f"x gradient accumulation {cfg.gradient_accumulation_steps} = global batch {cfg.global_batch_size}; "
         f"gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}; "
         f"packing {'on' if cfg.packing else 'off'}; cutoff_len {cfg.cutoff_len}; "

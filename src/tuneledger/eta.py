@@ -274,15 +274,21 @@ def check(pred: dict, act: dict, source: str) -> dict:
     }
 
 
+def took(total_s: float, unaccounted_s: float = 0.0) -> str:
+    """'this command took 2 min 30 s (process start to this line, ...; 2.1 s of it between the
+    measured parts)': the command's own wall time (s), as `time` would show it less the exit."""
+    return (f"this command took {fmt_h(total_s)} (process start to this line, the interpreter's exit after it "
+            "not counted" + (f"; {unaccounted_s:.1f} s of it between the measured parts" if abs(unaccounted_s) >= 0.05 else "")
+            + ")")
+
+
 def check_line(c: dict) -> str:
     t = c["total"]
     where = "inside" if t["inside_range"] else "outside"
     train = c["steady_s_per_step"]["train_median"]
     gap = t.get("unaccounted_s") or 0.0
     return (f"ETA check: the dry-run predicted {fmt_h(t['predicted_s'])} ({fmt_h(t['low_s'])} - {fmt_h(t['high_s'])}); "
-            f"this command took {fmt_h(t['actual_s'])} (process start to this line, the interpreter's exit after it "
-            "not counted"
-            + (f"; {gap:.1f} s of it between the measured parts" if abs(gap) >= 0.05 else "") + "): "
+            f"{took(t['actual_s'], gap)}: "
             + (f"{t['error_pct']:+.1f}% ({where} the range). " if t["error_pct"] is not None else "no error to compute. ")
             + f"Steady s/step: dry-run {c['steady_s_per_step']['dryrun_median']:.3f}, train "
             + (f"{train:.3f}" if train else "- (no step after the warm-up steps to measure)")

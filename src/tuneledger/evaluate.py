@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = load(use.run, args.checkpoint, args.base or use.base, args.device)
     except LoadError as e:
         print(f"tuneledger eval: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     saved = dict(loaded.config)
     if not saved and not use.job:
         print(f"tuneledger eval: {use.run or use.base} has no job.json, so its template, cutoff_len and placeholders "

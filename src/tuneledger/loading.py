@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuneledger.checkpoints import LoadError, find_checkpoint
+from tuneledger.checkpoints import LoadError, RunNotFound, find_checkpoint
 
 
 @dataclass
@@ -56,8 +56,8 @@ def run_dir(run: str) -> Path:
         named = Path("runs") / run
         if named.exists():
             return named
-        raise LoadError(f"no run {run!r}: neither {p} nor {named} exists")
-    raise LoadError(f"no run at {p}: it does not exist")
+        raise RunNotFound(f"no run {run!r}: neither {p} nor {named} exists")
+    raise RunNotFound(f"no run at {p}: it does not exist")
 
 
 def run_config(path: Path) -> dict:

@@ -210,7 +210,8 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
            "eval_data_path": str(eval_prep.path) if eval_prep else None,
            "data_files": prep.report["data_files"],
            "checkpoint_bytes_estimate": checkpoint_estimate(cfg, read_model_config(cfg.model_name_or_path))[0],
-           "progress": {"label": f"train {cfg.run_name}", "started_wall": datetime.now(timezone.utc).timestamp()}}
+           # An LF config names its run by output_dir; its run_name is our default, "run".
+           "progress": {"label": f"train {cfg.output_dir or cfg.run_name}", "started_wall": datetime.now(timezone.utc).timestamp()}}
     result_path = out / "train.json"
     if nodes.first:
         result_path.unlink(missing_ok=True)  # a stale one must not pass for this run's result
@@ -327,12 +328,15 @@ def check_eta(result: dict, cfg: Any, startup: dict, stats: dict, nproc: int, cp
     act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup, compiled(result["model"]),
                       wall_s=eta_.process_age_s())
     result["timing"] = act
+    # Without a prediction to check, the command's own time is still worth its line.
+    took = eta_.took(act["total_s"], act.get("unaccounted_s", 0.0))
     if result.get("resumed_from"):
         result["eta_check"] = {"skipped": "resumed: the dry-run predicted the whole run, this command ran part of it"}
+        print(f"{took[0].upper()}{took[1:]}; no ETA check: a resumed run is part of what the dry-run predicted")
         return
     if row is None:
         result["eta_check"] = {"skipped": source}
-        print(f"ETA check: none ({source}); `tuneledger dryrun` with the same settings first predicts this command")
+        print(f"ETA check: none ({source}); `tuneledger dryrun` with the same settings first predicts this command; {took}")
         return
     result["eta_check"] = eta_.check(row["eta"], act, source)
     print(eta_.check_line(result["eta_check"]))
