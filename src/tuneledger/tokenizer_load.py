@@ -5,9 +5,12 @@ loading (model.py imports it from here) all take it from here.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tuneledger.model_location import PreflightError, locate_model
+
+_SAID: set[str] = set()
 
 
 def load_tokenizer(name_or_path: str) -> Any:
@@ -46,5 +49,10 @@ def fix_end_of_turn(tok: Any) -> None:
     """
     template = tok.chat_template or ""
     if "<|im_end|>" in template and "<|im_end|>" in tok.get_vocab() and tok.eos_token != "<|im_end|>":
-        print(f"tokenizer: eos {tok.eos_token!r} does not end the template's turns; using '<|im_end|>'", flush=True)
+        line = f"tokenizer: eos {tok.eos_token!r} does not end the template's turns; using '<|im_end|>'"
+        # Said once per command: a process loads the tokenizer more than once, and torchrun's ranks
+        # (RANK set) load it again after the launcher has said it.
+        if line not in _SAID and "RANK" not in os.environ:
+            _SAID.add(line)
+            print(line, flush=True)
         tok.eos_token = "<|im_end|>"
