@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -194,6 +195,9 @@ def test_eval_predict_yaml_writes_llamafactory_predictions(adapter_run, tiny_mod
     assert evaluate.run(eval_args([str(cfg)])) == 0
     line = capsys.readouterr().out
     assert "2 greedy predictions (at most 3 new tokens each)" in line
+    # A fresh tester's 8 CPU predictions ran 6 min with no line: now the first and the last say so.
+    assert re.search(r"predict: 1/2 replies, \d+ new tokens in \d+\.\d s; ~\d+ min \d\d s more\n", line), line
+    assert re.search(r"predict: 2/2 replies, \d+ new tokens in \d+\.\d s\n", line), line
     rows = [json.loads(r) for r in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert [r["label"] for r in rows] == ["4.", "Blue."] and all(set(r) == {"prompt", "predict", "label"} for r in rows)
     assert rows[0]["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>")  # the run's system prompt

@@ -41,15 +41,21 @@ def conversations(cfg: Any, wheres: set[str]) -> list[list[dict]]:
 
 
 def generate(model: Any, tokenizer: Any, convs: list[list[dict]], max_new_tokens: int, cutoff_len: int,
-             default_system: str | None = None) -> tuple[list[dict], int]:
+             default_system: str | None = None, every_s: float = 10.0) -> tuple[list[dict], int]:
     """Greedy replies to each conversation's last user turn. Returns (rows of
-    generated_predictions.jsonl, the number of prompts cut to cutoff_len tokens)."""
+    generated_predictions.jsonl, the number of prompts cut to cutoff_len tokens). Prints a progress
+    line after the first reply, the last, and at most every `every_s` s between: a CPU takes
+    minutes for a few records, and a silent terminal reads as a hang."""
+    import time
+
     import torch
 
+    from tuneledger.ledger import fmt_h
     from tuneledger.loading import stop_ids
 
     rows, cut, stops = [], 0, stop_ids(tokenizer)
-    for msgs in convs:
+    t0, shown, new_tokens = time.perf_counter(), 0.0, 0
+    for i, msgs in enumerate(convs, 1):
         if default_system is not None and msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": default_system}] + msgs
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
@@ -64,6 +70,12 @@ def generate(model: Any, tokenizer: Any, convs: list[list[dict]], max_new_tokens
         rows.append({"prompt": tokenizer.decode(ids, skip_special_tokens=False),
                      "predict": tokenizer.decode(out[0, x.shape[1]:], skip_special_tokens=True),
                      "label": msgs[last]["content"]})
+        new_tokens += out.shape[1] - x.shape[1]
+        now = time.perf_counter()
+        if i in (1, len(convs)) or now - shown >= every_s:
+            shown, per = now, (now - t0) / i
+            print(f"predict: {i}/{len(convs)} replies, {new_tokens:,} new tokens in {now - t0:.1f} s"
+                  + (f"; ~{fmt_h(per * (len(convs) - i))} more" if i < len(convs) else ""), flush=True)
     return rows, cut
 
 
