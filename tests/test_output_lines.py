@@ -396,3 +396,18 @@ def test_a_table_off_a_terminal_has_no_trailing_blanks_nor_colour_codes():
     text = out.getvalue()
     assert text.splitlines()[0] == "dry-run ledger: 2 x cpu  [SYNTHETIC model]"
     assert all(line == line.rstrip() for line in text.splitlines()) and "\x1b[" not in text and "free" in text
+
+
+def test_worker_counts_past_the_cores_are_capped_and_said_once(capsys, monkeypatch):
+    """A tester's LF yaml on 2 cores: dataloader_num_workers 4 made torch warn from each rank, and
+    preprocessing_num_workers 16 was taken as is."""
+    import os
+
+    from tuneledger.trainer import loader_workers
+
+    cores = len(os.sched_getaffinity(0))
+    assert loader_workers(cores) == cores and capsys.readouterr().out == ""
+    assert loader_workers(cores + 2, say=True) == cores
+    assert capsys.readouterr().out == (f"dataloader_num_workers={cores + 2} per rank, capped at {cores}: this process "
+                                       f"may use {cores} CPU cores (more workers would only compete for them)\n")
+    assert loader_workers(cores + 2) == cores and capsys.readouterr().out == ""  # ranks other than 0 say nothing

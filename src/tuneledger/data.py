@@ -346,9 +346,10 @@ def cache_key(data_hashes: list[str], tok_fp: str, template: str, cutoff_len: in
 
 def num_proc(requested: int | None) -> int:
     """Tokenizing processes: `requested` (preprocessing_num_workers), else every core this process
-    may run on (its CPU affinity: a container's cpuset, taskset), not a fixed cap."""
+    may run on (its CPU affinity: a container's cpuset, taskset), not a fixed cap; never more than
+    those cores (an LF yaml's 16 on 2 cores: more processes only share the same cores)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, requested or cores)
+    return max(1, min(requested or cores, cores))

@@ -186,7 +186,11 @@ def _tokenize(ds: Any, tokenizer: Any, cfg: Any, key: str, work: Path, progress:
     n_tokens and n_supervised as an Arrow table, for the report)."""
     procs = min(num_proc(cfg.preprocessing_num_workers), max(1, len(ds) // 64))
     counts = data_progress.Counts(work / "progress.bin", procs)
-    meter = data_progress.Meter(f"tokenizing {len(ds):,} records on {procs} process{'es' if procs > 1 else ''}",
+    asked = cfg.preprocessing_num_workers
+    cores = num_proc(None)
+    capped = f" (preprocessing_num_workers={asked}, capped at the {cores} CPU cores this process may use)" \
+        if asked and asked > cores and procs == cores else ""
+    meter = data_progress.Meter(f"tokenizing {len(ds):,} records on {procs} process{'es' if procs > 1 else ''}{capped}",
                                 len(ds), "records", progress)
     with meter.watch(counts):
         # A batch is one Arrow record batch of the output (datasets writes each as it comes), and this

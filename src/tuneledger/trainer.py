@@ -231,6 +231,22 @@ def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> An
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
+def loader_workers(requested: int, say: bool = False) -> int:
+    """DataLoader workers per rank: `requested` (dataloader_num_workers), at most the cores this
+    process may run on (its CPU affinity). More only compete with the ranks for the CPU, and torch
+    warns about it from every rank; an LF yaml's 4 on a 2-core box is the common case. `say`: print
+    the cap once (rank 0)."""
+    from tuneledger.data import num_proc
+
+    cores = num_proc(None)
+    if requested <= cores:
+        return requested
+    if say:
+        print(f"dataloader_num_workers={requested} per rank, capped at {cores}: this process may use "
+              f"{cores} CPU cores (more workers would only compete for them)", flush=True)
+    return cores
+
+
 def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_to: str, save: bool = True,
                   evaluate: bool = False, layer_classes: list[str] | None = None) -> TrainingArguments:
     """transformers' TrainingArguments of a job. With `evaluate` (there is eval data and it is a
@@ -264,7 +280,7 @@ def training_args(cfg: JobConfig, mode: str, out_dir: Path, cuda: bool, report_t
         save_steps=cfg.dryrun_steps if dryrun else cfg.save_steps,
         save_total_limit=None,  # SealCheckpoint rotates, after the new checkpoint is sealed
         seed=cfg.seed,
-        dataloader_num_workers=cfg.dataloader_num_workers,
+        dataloader_num_workers=loader_workers(cfg.dataloader_num_workers, say=os.environ.get("RANK", "0") == "0"),
         ddp_find_unused_parameters=False,  # LoRA on every linear: every trainable param gets a grad
         ddp_backend="nccl" if cuda else "gloo",
         ddp_timeout=cfg.ddp_timeout,
