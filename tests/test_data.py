@@ -38,7 +38,8 @@ def test_malformed_records_name_location_field_and_reason(record, field, kind):
     got = to_messages(record, "data.jsonl:7")
     assert isinstance(got, Invalid)
     assert (got.where, got.field, got.kind) == ("data.jsonl:7", field, kind)
-    assert str(got).startswith(f"data.jsonl:7: field '{field}': ")
+    named = f"the {field.strip('<>')}" if field in ("<record>", "<line>") else f"field '{field}'"
+    assert str(got).startswith(f"data.jsonl:7: {named}: ")
 
 
 def test_formats_normalise_to_the_same_conversation():
