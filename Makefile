@@ -300,8 +300,12 @@ NEEDS_DOCKER = @test "$(LOCAL)" != 1 || { echo "make $@ is about the monitor con
 UP_INTERVAL = $(if $(filter command line environment,$(origin INTERVAL)),$(INTERVAL),$(or $(call dotenv,MONITOR_INTERVAL),5))
 monitor-up: host-dirs ## start the monitor container detached (docker compose or docker-compose): runs/monitor/<host>-<date>.csv; make monitor-stop ends it
 	$(NEEDS_DOCKER)
+	@# Without the image, compose would start a whole build (a registry pull of the CUDA base): say so instead.
+	@img="$(or $(IMAGE),$(call dotenv,IMAGE),tuneledger:latest)"; docker image inspect "$$img" >/dev/null 2>&1 || \
+	  { echo "monitor-up: no image $$img on this Docker engine: build it first (make image; docs/container.md says how without a registry)" >&2; exit 1; }
 	$(strip MONITOR_INTERVAL=$(UP_INTERVAL) $(COMPOSE) up -d monitor)
 	@echo "monitor: sampling every $(UP_INTERVAL) s into $(or $(RUNS_DIR),$(call dotenv,RUNS_DIR),runs)/monitor/ ($(COMPOSE) ps monitor: its health; make monitor-stop ends it)"
+	@nvidia-smi -L >/dev/null 2>&1 || echo "monitor: WARNING no GPU answers nvidia-smi on this host: every row will read 'unavailable' (healthy means sampling, not GPUs seen)"
 
 monitor-stop: ## stop and remove the monitor container that make monitor-up started
 	$(NEEDS_DOCKER)

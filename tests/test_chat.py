@@ -72,7 +72,7 @@ def test_chat_cli_one_prompt_and_clear_errors(adapter_run, tmp_path):
     assert f"+ adapter {adapter_run / 'checkpoint-1'} (step 1)\n" in p.stderr  # the adapter's step, too
     assert "SYNTHETIC model (random weights)" in p.stderr  # the tiny model: noise is expected, and said
     p = tl("chat", str(tmp_path / "no-such-run"), "--prompt", "x")
-    assert p.returncode == 1 and "no run" in p.stderr and "no-such-run" in p.stderr
+    assert p.returncode == 2 and "no run" in p.stderr and "no-such-run" in p.stderr
     p = tl("chat", str(adapter_run), "--checkpoint", "best", "--prompt", "x")
     assert p.returncode == 1 and "has no checkpoint with an eval loss" in p.stderr
 

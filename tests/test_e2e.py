@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,10 @@ def test_dryrun_all_presets_two_gloo_ranks_writes_the_ledger(tmp_path, tiny_mode
         assert noise not in p.stdout + p.stderr, noise
     assert "cuda" not in led["versions"] and "cuda " not in md  # a CPU run used no CUDA
     assert not list((tmp_path / "dry" / "dryrun").glob("*/checkpoint-*"))  # timed, weighed, removed
+    # What every preset shares is said once (a tester's four ~400-character levers lines), and the
+    # command's own time, to hold against the shell's `time`.
+    assert re.search(r"\nlevers [ABCD], [ABCD], [ABCD], [ABCD]: ", p.stdout) and sum(ln.startswith("VERDICT") for ln in p.stdout.splitlines()) == 1
+    assert re.search(r"\ndry-run: this command took \d+ min \d\d s \(process start to this line", p.stdout)
 
 
 @pytest.mark.slow  # minutes on 2 cores: the fast tier stays under 10 min (make test-all runs it)

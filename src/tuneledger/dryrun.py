@@ -372,6 +372,7 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     print_table(led)
     wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
     print(f"wrote {', '.join(map(str, wrote))} and {log}")
+    print(f"dry-run: {eta_.took(eta_.process_age_s())}")  # held against the shell's `time`, as train's is
     return 0 if done else 1
 
 
