@@ -260,7 +260,7 @@ def test_what_every_preset_shares_is_printed_once():
     assert common_lines("levers", {"C": base}) == ["levers C: attention sdpa; liger off (needs a CUDA GPU); lora_dropout 0.05"]
     v = lambda mb: f"unknown: a CPU run measures no GPU [micro-batch {mb}; GC on] Lever: dry-run on the GPUs"  # noqa: E731
     assert verdict_lines({"A": v(1), "B": v(2), "C": "compute-bound [util 97%] Lever: none"}) == [
-        "VERDICT A, B: unknown: a CPU run measures no GPU Lever: dry-run on the GPUs",
+        "VERDICT A, B: unknown: a CPU run measures no GPU. Lever: dry-run on the GPUs",
         "  A: [micro-batch 1; GC on]", "  B: [micro-batch 2; GC on]",
         "VERDICT C: compute-bound [util 97%] Lever: none"]
     assert verdict_lines({"A": v(1), "B": v(1)}) == [f"VERDICT A, B: {v(1)}"]

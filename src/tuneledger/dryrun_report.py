@@ -252,6 +252,6 @@ def verdict_lines(verdicts: dict[str, str]) -> list[str]:
         if len(members) == 1 or len({d for _, d in members}) == 1:
             out.append(f"VERDICT {names}: {verdicts[members[0][0]]}")
         else:
-            out.append(f"VERDICT {names}: {head} {lever}")
+            out.append(f"VERDICT {names}: {head}. {lever}")  # the [details] that separated them follow
             out += [f"  {p}: [{d}]" for p, d in members]
     return out

@@ -165,7 +165,7 @@ def apply_liger(model: Any, wanted: bool | None, device_type: str, compiled: boo
         return "off"
     why = None
     if device_type != "cuda":
-        why = "needs a CUDA GPU (Triton kernels)"
+        why = "needs a CUDA GPU: Triton kernels"
     else:
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
