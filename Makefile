@@ -98,9 +98,9 @@ QENV_DEP = $(VENV_QUANT)/.stamp
 else
 TL = $(COMPOSE) run --rm trainer tuneledger
 FETCH = $(COMPOSE) run --rm trainer fetch-model
-ENV_DEP = host-dirs
+ENV_DEP = host-dirs engine-check
 TLQ = $(COMPOSE) run --rm quantize tuneledger
-QENV_DEP = host-dirs
+QENV_DEP = host-dirs engine-check
 endif
 
 # With a GPU the default job is the reference QLoRA config on the synthetic Qwen2.5-7B; without
@@ -146,7 +146,7 @@ WITH_QUANT_ARGS = $(if $(QUANT_ARGS), $(QUANT_ARGS))
 NODE_FLAGS = $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node-rank $(NODE_RANK)) \
 	$(if $(RDZV_ENDPOINT),--rdzv-endpoint $(RDZV_ENDPOINT)) $(if $(MAX_RESTARTS),--max-restarts $(MAX_RESTARTS))
 
-.PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor monitor-up monitor-stop fetch fetch-smollm2 import-gguf image host-dirs compose-check lock lock-compile lock-check lint \
+.PHONY: help venv stats dryrun train bench export chat eval test test-slow test-all clean-cache monitor monitor-up monitor-stop fetch fetch-smollm2 import-gguf image host-dirs engine-check compose-check lock lock-compile lock-check lint \
 	venv-quant quantize test-quant image-quant lock-quant lock-check-quant
 # The target column is as wide as the longest target, plus two blanks (lock-check-quant is 16 characters).
 help: ## list the verbs
@@ -300,6 +300,7 @@ NEEDS_DOCKER = @test "$(LOCAL)" != 1 || { echo "make $@ is about the monitor con
 UP_INTERVAL = $(if $(filter command line environment,$(origin INTERVAL)),$(INTERVAL),$(or $(call dotenv,MONITOR_INTERVAL),5))
 monitor-up: host-dirs ## start the monitor container detached (docker compose or docker-compose): runs/monitor/<host>-<date>.csv; make monitor-stop ends it
 	$(NEEDS_DOCKER)
+	@$(ENGINE_CHECK)
 	@# Without the image, compose would start a whole build (a registry pull of the CUDA base): say so instead.
 	@img="$(or $(IMAGE),$(call dotenv,IMAGE),tuneledger:latest)"; docker image inspect "$$img" >/dev/null 2>&1 || \
 	  { echo "monitor-up: no image $$img on this Docker engine: build it first (make image; docs/container.md says how without a registry)" >&2; exit 1; }
@@ -342,6 +343,13 @@ image-quant: ## build the INT4 step's image (Dockerfile.quant: Python 3.11, torc
 
 compose-check:
 	@test -n "$(COMPOSE)" || { echo "LOCAL=0 runs the verbs with Docker Compose, and neither \`docker compose\` (the Compose v2 plugin: Debian/Ubuntu package docker-compose-plugin from Docker's apt repository, or docker-compose-v2) nor docker-compose (package docker-compose) is installed. Install one (https://docs.docker.com/compose/install/), or run in the host venv with LOCAL=1." >&2; exit 1; }
+
+# LOCAL=0 with the engine down: one line, not docker-compose's 100-line traceback.
+ENGINE_CHECK = docker info >/dev/null 2>&1 || { echo "LOCAL=0 runs in containers, and no Docker engine answers \
+($$(docker info 2>&1 | grep -m1 -iE 'cannot connect|permission denied|error' || echo 'docker info failed')): start it \
+(sudo systemctl start docker), or run in the host venv with LOCAL=1." >&2; exit 1; }
+engine-check:
+	@$(ENGINE_CHECK)
 
 # Docker creates a missing bind-mount folder as root; create them first, as you.
 host-dirs:

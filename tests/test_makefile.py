@@ -203,3 +203,23 @@ def test_monitor_up_without_docker_says_what_to_run_instead():
     p = subprocess.run(["make", "--no-print-directory", "monitor-stop", "LOCAL=1"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and "`make monitor` samples in the foreground" in p.stdout
+
+
+@pytest.mark.parametrize("target", ["stats", "monitor-up"])
+def test_local0_with_the_engine_down_says_so_in_one_line(tmp_path, target):
+    """A tester with docker installed and its daemon stopped: `make stats LOCAL=0` ended in
+    docker-compose's 113-line traceback, `make monitor-up` said the image was missing."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    down = "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?"
+    for tool in ("docker", "docker-compose"):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho '{down}' >&2\nexit 1\n")
+        (bin_dir / tool).chmod(0o755)
+    p = subprocess.run([shutil.which("make"), "--no-print-directory", target, "LOCAL=0"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, timeout=60)
+    assert p.returncode != 0
+    assert f"no Docker engine answers ({down}): start it (sudo systemctl start docker), or run in the host venv " \
+           "with LOCAL=1." in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "no image" not in p.stderr

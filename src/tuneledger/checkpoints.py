@@ -276,5 +276,6 @@ def find_checkpoint(path: Path) -> Path:
             raise LoadError(f"{path} does not exist" + (f"; {path.parent} has {', '.join(siblings)}" if siblings else ""))
         if bad:
             raise LoadError(f"no checkpoint of {path} verifies: " + "; ".join(f"{p.name}: {why}" for p, why in bad))
-        raise LoadError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N")
+        raise LoadError(f"{path} has no adapter (adapter_config.json) and no complete checkpoint-N: train it first "
+                        "(`tuneledger train` / make train), or name a run that was trained")
     return Path(found)
