@@ -46,5 +46,5 @@ grep "^baseline " "$OUT/baseline-$TAG.log"
 fi
 # $OUT returns at most 8 files: the logs, plus everything else of the run in one archive.
 cp /tmp/run-$TAG/dryrun.md "$OUT/dryrun-$TAG.md" 2>/dev/null
-tar czf "$OUT/run-$TAG.tgz" --exclude='checkpoint-*' -C /tmp "run-$TAG"
+tar czf "$OUT/run-$TAG.tgz" --exclude='checkpoint-*' --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' -C /tmp "run-$TAG"
 stamp "done"

@@ -119,6 +119,7 @@ out.write_text("\n".join(lines + parts) + "\n")
 print(out.read_text())
 EOF
 
-# 7 files: machine.log, dryrun/train logs per world size, eta-table.md, and the ledgers in one archive.
-tar czf "$OUT/runs.tgz" --exclude='checkpoint-*' --exclude='tensorboard' -C /tmp $(cd /tmp && ls -d run-eta-${TAG_PREFIX:-}*gpu 2>/dev/null)
+# 7 files: machine.log, dryrun/train logs per world size, eta-table.md, and the ledgers in one archive
+# (no weights: a final adapter of r=64 on 7B is ~0.6 GB, past the 16 MiB a returned file may hold).
+tar czf "$OUT/runs.tgz" --exclude='checkpoint-*' --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='tensorboard' -C /tmp $(cd /tmp && ls -d run-eta-${TAG_PREFIX:-}*gpu 2>/dev/null)
 stamp "done"
