@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from tuneledger import speed  # noqa: E402
+from tuneledger import compiled as compiled_layers, speed  # noqa: E402
 
 
 def write_model(path: Path) -> None:
@@ -48,7 +48,7 @@ def build(path: Path, device: str, fused: bool, attn: str, compiled: bool):
         if "lora_B" in n:
             p.data.normal_(0, 0.02)
     speed.fuse_lora(m, fused)
-    if compiled:  # by hand: speed.compile_layers refuses the unfused 4-bit path this measures
+    if compiled:  # by hand: compiled_layers.compile_layers refuses the unfused 4-bit path this measures
         torch._dynamo.config.optimize_ddp = False
         for layer in m.base_model.model.model.layers:
             layer.compile(dynamic=None)
@@ -103,7 +103,7 @@ def main() -> None:
             (l0, g0), (l1, g1) = res[False], res[True]
             worst = max((((g0[n] - g1[n]).norm() / g0[n].norm()).item(), n) for n in g0)
             row = {"case": case, "attention": attn, "worst_rel_grad_err": round(worst[0], 5), "param": worst[1],
-                   "loss_eager": l0, "loss_compiled": l1, "compile": speed.compile_stats(),
+                   "loss_eager": l0, "loss_compiled": l1, "compile": compiled_layers.compile_stats(),
                    "torch": torch.__version__}
             rows.append(row)
             print(f"compile_check {case}: worst rel grad err {worst[0]:.2e} ({worst[1]}); loss eager {l0} "

@@ -5,6 +5,7 @@
 #   preset D plain (sdpa, no Liger, peft's LoRA) -> D with the defaults (auto) -> D + regional compile
 #   -> D with lora_dropout 0.05 -> C with the defaults -> C + compile; a sync-debug step on D;
 #   then one profiled step of PROFILE_RUN (default D; empty: none), its kernel-time table by category.
+# GC_CHECK=1 adds bench/gc_compile_check.py (checkpointing around or inside compiled layers, dense and NF4).
 # Needs (carried, never committed): .whl (bench/device_env.sh), .usite (bitsandbytes from
 # ../shared/tools/make_unsloth_site.sh), .carry/alpaca_fieldlen.json (bench/make_fieldlen_data.py).
 #   bash bench/h200_levers.sh            # on the device, from the repository root
@@ -45,6 +46,14 @@ if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per
   stamp "compile check exit $?: $(grep '^compile_check' /tmp/logs/compile_check.log | cut -c1-150 | tr '\n' '|')"
   cp /tmp/logs/compile_check.log "$OUT/"
 fi
+if [ "${GC_CHECK:-0}" = 1 ]; then   # checkpointing around or inside compiled layers, dense and NF4 (bench/gc_compile_check.py)
+  for q in "" --nf4; do
+    stamp "gc compile check ${q:-dense}"
+    timeout 150 ${PY:-python3} bench/gc_compile_check.py --device cuda $q --out "/tmp/logs/gc_compile_check${q:+-nf4}.json" \
+      > "/tmp/logs/gc_compile_check${q:+-nf4}.log" 2>&1
+    stamp "gc compile check exit $?: $(grep '^gc_compile_check' "/tmp/logs/gc_compile_check${q:+-nf4}.log" | cut -c1-230 | tr '\n' '|')"
+  done
+fi
 JOB="$CONFIG model_name_or_path=$MODEL ${DATASET:+dataset=$DATASET} cache_dir=/tmp/cache dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP"
 PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false torch_compile=false lora_dropout=0"
 AUTO="lora_dropout=0"
@@ -79,9 +88,11 @@ for r in $RUNS; do
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
     compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
     cpp) o="$AUTO";;   # inductor's C++ wrapper for the compiled layers: less Python per launch (host-bound C)
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp>, unsloth, hf)"; continue;;
+    gcout) o="$AUTO";; # A/B: transformers' checkpoint around the compiled layers, as before compiled.checkpoint_inside
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp|gcout>, unsloth, hf)"; continue;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"; [ "${r:1}" = cpp ] && e="TORCHINDUCTOR_CPP_WRAPPER=1"
+  [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
   cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps
   [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))

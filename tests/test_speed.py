@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tuneledger import speed
+from tuneledger import compiled, speed
 from tuneledger.config_load import load_config
 from tuneledger.data import encode
 from tuneledger.trainer import make_collator
@@ -184,12 +184,12 @@ def test_the_ledger_says_what_dropout_costs(tiny_model):
 
 def test_compile_is_auto_and_refuses_the_unsafe_4bit_path(tiny_model):
     model, _ = _lora_model(tiny_model, False)
-    assert speed.compile_layers(model, None, "cpu", fused=True, quantized=False) == "off (no CUDA GPU)"
-    assert speed.compile_layers(model, None, "cuda", fused=False, quantized=True).startswith(
+    assert compiled.compile_layers(model, None, "cpu", fused=True, quantized=False) == "off (no CUDA GPU)"
+    assert compiled.compile_layers(model, None, "cuda", fused=False, quantized=True).startswith(
         "off (the LoRA projections are not fused")
     with pytest.raises(ValueError, match="needs the fused LoRA projection"):
-        speed.compile_layers(model, True, "cuda", fused=False, quantized=True)
-    assert speed.compile_planned(None, "cpu") is False and speed.compile_planned(True, "cpu") is True
+        compiled.compile_layers(model, True, "cuda", fused=False, quantized=True)
+    assert compiled.compile_planned(None, "cpu") is False and compiled.compile_planned(True, "cpu") is True
     cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "fused_lora": False,
                              "torch_compile": True, "quantization_bit": 4})
     with pytest.raises(ValueError, match="needs the fused LoRA projection"):
@@ -266,10 +266,10 @@ def test_compiled_fused_projection_has_eager_gradients(tiny_model, quant):
     """A compiled layer traces backward once for every layer: each layer's gradients must still
     use its own weights (the fused projection takes them as inputs, never off its ctx). About a
     minute of compiling on 2 CPU cores; bench/h200_levers.sh runs it on the GPU too."""
-    def build(compiled: bool):
+    def build(compile_it: bool):
         m = _nf4_lora_model(tiny_model, True) if quant else _lora_model(tiny_model, True)[0]
-        if compiled:
-            speed.compile_layers(m, True, DEVICE, fused=True, quantized=quant)
+        if compile_it:
+            compiled.compile_layers(m, True, DEVICE, fused=True, quantized=quant)
         return m
 
     (l0, g0), (l1, g1) = (_grads(build(c), IDS) for c in (False, True))
@@ -285,7 +285,7 @@ def test_compiled_layer_keeps_no_dequantized_weight_for_backward(tiny_model):
     the two and keep the bf16 weight [out, in] of every projection alive until backward (13 GiB
     on Qwen2.5-7B)."""
     m = _nf4_lora_model(tiny_model, True)
-    speed.compile_layers(m, True, DEVICE, fused=True, quantized=True)
+    compiled.compile_layers(m, True, DEVICE, fused=True, quantized=True)
     weights = {tuple(mod.get_base_layer().weight.quant_state.shape) for mod in m.modules() if hasattr(mod, "lora_A")}
     saved = []
 
@@ -300,3 +300,61 @@ def test_compiled_layer_keeps_no_dequantized_weight_for_backward(tiny_model):
     assert saved
     kept = [s for s in saved if s[0] in weights and s[1] == torch.bfloat16]
     assert not kept, kept
+
+
+def _saved_activation_bytes(m, x) -> tuple[int, list]:
+    """Bytes saved for backward by one training step in the decoder layers, and the saved
+    (shape, dtype) list. Not counted: the model's parameters (a saved weight is a reference, no
+    memory) and the logits and loss tensors [.., vocab], alike in every case and, with the tiny
+    model's 151k vocabulary, larger than all layers together."""
+    weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    vocab = m.get_output_embeddings().weight.shape[0]
+    total, kept = [0], []
+
+    def pack(t):
+        kept.append((tuple(t.shape), t.dtype))
+        if t.untyped_storage().data_ptr() not in weights and vocab not in t.shape:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(input_ids=x, labels=x).loss.backward()
+    return total[0], kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", [pytest.param(False, id="dense"), pytest.param(True, id="nf4", marks=pytest.mark.skipif(
+    not _has_bnb(), reason="needs bitsandbytes"))])
+def test_checkpoint_inside_compiled_layers_is_checkpointing(tiny_model, quant):
+    """Checkpointing traced inside each compiled layer (compiled.checkpoint_inside, presets A/B
+    with compile on) computes eager checkpointing's gradients and saves no more for backward
+    than transformers' checkpoint does (the layers' inputs; weights not counted), far less than
+    no checkpointing. With NF4 no dequantized bf16 weight is kept."""
+    def build(gc: bool, compile_it: bool):
+        m = _nf4_lora_model(tiny_model, True) if quant else _lora_model(tiny_model, True)[0]
+        if gc:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile_it:
+            line = compiled.compile_layers(m, True, DEVICE, fused=True, quantized=quant, checkpoint=gc)
+            assert line.endswith("checkpointing inside)") == gc, line
+        m.train()
+        return m
+
+    x = IDS[:1, :50].to(DEVICE)  # 50 tokens: no activation [T, in] has a weight's shape
+    ref = build(True, False)
+    l0, g0 = _grads(ref, IDS)
+    ref.zero_grad(set_to_none=True)
+    ref_bytes, _ = _saved_activation_bytes(ref, x)
+    no_gc_bytes, _ = _saved_activation_bytes(build(False, False), x)
+    m = build(True, True)
+    l1, g1 = _grads(m, IDS)
+    m.zero_grad(set_to_none=True)
+    inside_bytes, kept = _saved_activation_bytes(m, x)
+    assert abs(l0 - l1) < (1e-2 if quant else 1e-5) * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < (NF4_TOL if quant else 1e-4), (name, rel)
+    assert ref_bytes < no_gc_bytes / 2, (ref_bytes, no_gc_bytes)  # the control: checkpointing saves memory here
+    assert inside_bytes <= 1.1 * ref_bytes, (inside_bytes, ref_bytes)
+    if quant:
+        weights = {tuple(mod.get_base_layer().weight.quant_state.shape) for mod in m.modules() if hasattr(mod, "lora_A")}
+        assert not [s for s in kept if s[0] in weights and s[1] == torch.bfloat16]

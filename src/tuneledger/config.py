@@ -57,7 +57,7 @@ class JobConfig(BaseModel):
     # -- speed levers (speed.py; None: on where it applies and is exact, the ledger says which ran)
     enable_liger_kernel: bool | None = None  # LLaMA-Factory's key: Liger's fused RMSNorm, RoPE, SwiGLU, linear+CE
     fused_lora: bool | None = None  # base projection + LoRA (and its dropout) in one autograd function
-    torch_compile: bool | None = None  # regional torch.compile of the decoder layers; None: auto (speed.compile_layers)
+    torch_compile: bool | None = None  # regional torch.compile of the decoder layers; None: auto (compiled.compile_layers)
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

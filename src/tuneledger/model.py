@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tuneledger import speed
+from tuneledger import compiled, speed
 from tuneledger.model_location import PreflightError, hub_offline, locate_model, looks_like_path  # noqa: F401
 from tuneledger.tokenizer_load import fix_end_of_turn, load_tokenizer  # noqa: F401  (tokenizers are the data side's)
 
@@ -124,10 +124,10 @@ def check_embedding_rows(tok: Any, config: dict, name: str) -> str:
     return f"tokenizer: {len(tok):,} tokens within the model's {rows:,} embedding rows, pad {tok.pad_token!r}"
 
 
-def _lever(apply: Any, *args: Any) -> Any:
+def _lever(apply: Any, *args: Any, **kwargs: Any) -> Any:
     """Run one speed lever; a lever asked for (True) that cannot run is a PreflightError."""
     try:
-        return apply(*args)
+        return apply(*args, **kwargs)
     except ValueError as e:
         raise PreflightError(str(e)) from None
 
@@ -170,7 +170,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
     model.config.use_cache = False
     levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, wanted["enable_liger_kernel"], device.type,
-                                                     speed.compile_planned(wanted["torch_compile"], device.type))}
+                                                     compiled.compile_planned(wanted["torch_compile"], device.type))}
     layer_classes = sorted(set(getattr(model, "_no_split_modules", None) or []))
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = getattr(getattr(model, "model", model), "layers", None)
@@ -196,8 +196,9 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     levers["fused_lora"] = _lever(speed.fuse_lora, model, wanted["fused_lora"])
-    levers["compile"] = _lever(speed.compile_layers, model, wanted["torch_compile"], device.type,
-                               levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit))
+    levers["compile"] = _lever(compiled.compile_layers, model, wanted["torch_compile"], device.type,
+                               levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit),
+                               checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted())
     levers["lora_dropout"] = cfg.lora_dropout
     if cfg.lora_dropout:
         # What the user weighs it against (measured in make bench's Ddrop row, not in this run).

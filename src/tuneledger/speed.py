@@ -15,8 +15,7 @@ each one returns (`levers` in the ledger), so that every number says how it was 
 - Fused LoRA (`fused_lora`): base projection (NF4 dequantised, or dense) + LoRA in one autograd
   function; the LoRA term is added by the second GEMM's epilogue (addmm alpha=scale), so the
   scale, add and cast passes over every projection's output (87 ms per D step in the profile) go away.
-- Regional compile (`torch_compile`): each decoder layer compiled once (the layers share one
-  graph), to cut the launches and Python between kernels that leave the GPU idle.
+- Regional compile (`torch_compile`): compiled.py.
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ import sys
 from typing import Any
 
 import torch
+
+from tuneledger.compiled import COMPILE_NEEDS_FUSED
 
 VARLEN = "tuneledger_varlen"  # our attention function's name in transformers' AttentionInterface
 
@@ -349,80 +350,3 @@ def check_levers(cfg: Any, device_type: str) -> str:
     if cfg.torch_compile and cfg.fused_lora is False and cfg.quantization_bit:
         raise ValueError(COMPILE_NEEDS_FUSED)
     return attention
-
-
-# ------------------------------------------------------------------------------------- compile
-# bitsandbytes' own 4-bit matmul (peft's path) keeps the quant state on its autograd ctx; a
-# compiled layer traces backward once for all layers and bakes that state in from one of them
-# (on an H200 the loss drifted 2.5e-3 from eager in 10 steps: bench/results/h200-2026-12-01-levers).
-COMPILE_NEEDS_FUSED = ("torch_compile: true on a 4-bit model needs the fused LoRA projection (fused_lora unset or "
-                       "true): bitsandbytes' own 4-bit matmul is not safe to compile. Unset fused_lora, or set "
-                       "torch_compile=false")
-COMPILE_MIN_TORCH = (2, 9)  # what the compiled path was measured on (2.11 on the H200); older: eager by default
-
-
-def _torch_at_least(version: tuple[int, int]) -> bool:
-    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= version
-
-
-def compile_planned(wanted: bool | None, device_type: str) -> bool:
-    """Whether compile_layers will compile (before the model exists: Liger needs to know).
-    compile_layers can still say off for auto, when the LoRA projections do not fuse."""
-    if wanted is not None:
-        return bool(wanted)
-    return device_type == "cuda" and _torch_at_least(COMPILE_MIN_TORCH)
-
-
-def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: bool, quantized: bool) -> str:
-    """torch.compile each decoder layer (regional compilation: the layers share one compiled
-    graph, so it compiles once, not 28 times). `wanted`: True, None (auto: on a CUDA GPU with torch
-    >= 2.9 where the LoRA projections are fused or the base is dense) or False. Compiling happens
-    in the first steps, which the dry-run counts as start-up. Returns the ledger's line; raises
-    ValueError for True on a 4-bit model without the fused projection (COMPILE_NEEDS_FUSED)."""
-    if wanted is False:
-        return "off"
-    why = None
-    if quantized and not fused:
-        if wanted:
-            raise ValueError(COMPILE_NEEDS_FUSED)
-        why = "the LoRA projections are not fused; bitsandbytes' own 4-bit matmul is not safe to compile"
-    elif device_type != "cuda":
-        why = "no CUDA GPU"
-    elif not _torch_at_least(COMPILE_MIN_TORCH):
-        why = f"torch {torch.__version__} < {'.'.join(map(str, COMPILE_MIN_TORCH))}, not measured; torch_compile=true to try"
-    if why and not wanted:
-        return f"off ({why})"
-    layers = None
-    for m in model.modules():
-        if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
-            layers = m.layers
-            break
-    if layers is None:
-        raise ValueError("torch_compile: no decoder layers (a `layers` ModuleList) found")
-    from torch import _dynamo
-
-    # DDP's graph splitting (at bucket bounds) exists for whole-model graphs; one layer's graph is
-    # small, and the splitter refuses the higher-order op our traced LoraProjection becomes.
-    _dynamo.config.optimize_ddp = False
-    # The two dequantizations of each weight must stay two (see LoraProjection): without the
-    # common-subexpression pass the compiled graph keeps 4-bit weights, not bf16 ones.
-    import torch._functorch.config as functorch_config
-
-    functorch_config.cse = False
-    for layer in layers:
-        layer.compile(dynamic=None)
-    import torch._inductor.config as inductor_config
-
-    wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
-    return f"on ({len(layers)} decoder layers, regional{wrapper})"
-
-
-def compile_stats() -> dict:
-    """Dynamo's counters (graphs compiled, graph breaks, recompiles), for the ledger."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return {}
-    return {"graphs": counters["stats"].get("unique_graphs", 0),
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0)}

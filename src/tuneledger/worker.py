@@ -165,7 +165,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     wall = time.perf_counter() - wall0
     timeline["train_returned"] = time.time()
     if compiled(info):
-        from tuneledger.speed import compile_stats
+        from tuneledger.compiled import compile_stats
 
         info["levers"]["compile_stats"] = compile_stats()
     warm_compile = None

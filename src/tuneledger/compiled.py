@@ -1,0 +1,121 @@
+"""Regional compilation (`torch_compile`): each decoder layer compiled once (the layers share one
+graph), to cut the launches and Python between kernels that leave the GPU idle, and, with
+gradient checkpointing, the checkpoint traced inside each compiled layer (checkpoint_inside).
+Compiling happens in the first steps, which the dry-run counts as start-up (probes.py times it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# ------------------------------------------------------------------------------------- compile
+# bitsandbytes' own 4-bit matmul (peft's path) keeps the quant state on its autograd ctx; a
+# compiled layer traces backward once for all layers and bakes that state in from one of them
+# (on an H200 the loss drifted 2.5e-3 from eager in 10 steps: bench/results/h200-2026-12-01-levers).
+COMPILE_NEEDS_FUSED = ("torch_compile: true on a 4-bit model needs the fused LoRA projection (fused_lora unset or "
+                       "true): bitsandbytes' own 4-bit matmul is not safe to compile. Unset fused_lora, or set "
+                       "torch_compile=false")
+COMPILE_MIN_TORCH = (2, 9)  # what the compiled path was measured on (2.11 on the H200); older: eager by default
+
+
+def _torch_at_least(version: tuple[int, int]) -> bool:
+    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= version
+
+
+def compile_planned(wanted: bool | None, device_type: str) -> bool:
+    """Whether compile_layers will compile (before the model exists: Liger needs to know).
+    compile_layers can still say off for auto, when the LoRA projections do not fuse."""
+    if wanted is not None:
+        return bool(wanted)
+    return device_type == "cuda" and _torch_at_least(COMPILE_MIN_TORCH)
+
+
+def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: bool, quantized: bool,
+                   checkpoint: bool = False) -> str:
+    """torch.compile each decoder layer (regional compilation: the layers share one compiled
+    graph, so it compiles once, not 28 times). `wanted`: True, None (auto: on a CUDA GPU with torch
+    >= 2.9 where the LoRA projections are fused or the base is dense) or False. Compiling happens
+    in the first steps, which the dry-run counts as start-up. Returns the ledger's line; raises
+    ValueError for True on a 4-bit model without the fused projection (COMPILE_NEEDS_FUSED).
+    With `checkpoint`, the layers' gradient checkpointing moves inside the compiled region
+    (checkpoint_inside)."""
+    if wanted is False:
+        return "off"
+    why = None
+    if quantized and not fused:
+        if wanted:
+            raise ValueError(COMPILE_NEEDS_FUSED)
+        why = "the LoRA projections are not fused; bitsandbytes' own 4-bit matmul is not safe to compile"
+    elif device_type != "cuda":
+        why = "no CUDA GPU"
+    elif not _torch_at_least(COMPILE_MIN_TORCH):
+        why = f"torch {torch.__version__} < {'.'.join(map(str, COMPILE_MIN_TORCH))}, not measured; torch_compile=true to try"
+    if why and not wanted:
+        return f"off ({why})"
+    layers = None
+    for m in model.modules():
+        if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
+            layers = m.layers
+            break
+    if layers is None:
+        raise ValueError("torch_compile: no decoder layers (a `layers` ModuleList) found")
+    from torch import _dynamo
+
+    # DDP's graph splitting (at bucket bounds) exists for whole-model graphs; one layer's graph is
+    # small, and the splitter refuses the higher-order op our traced LoraProjection becomes.
+    _dynamo.config.optimize_ddp = False
+    # The two dequantizations of each weight must stay two (see LoraProjection): without the
+    # common-subexpression pass the compiled graph keeps 4-bit weights, not bf16 ones.
+    import torch._functorch.config as functorch_config
+
+    functorch_config.cse = False
+    for layer in layers:
+        if checkpoint:
+            checkpoint_inside(layer)
+        layer.compile(dynamic=None)
+    import torch._inductor.config as inductor_config
+
+    wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
+    inside = ", checkpointing inside" if checkpoint else ""
+    return f"on ({len(layers)} decoder layers, regional{wrapper}{inside})"
+
+
+def checkpoint_inside_wanted() -> bool:
+    """Whether compiled layers take their checkpoint inside (checkpoint_inside): yes, unless
+    TUNELEDGER_CHECKPOINT_OUTSIDE=1 (make bench's *gcout rows: transformers' checkpoint around them)."""
+    return os.environ.get("TUNELEDGER_CHECKPOINT_OUTSIDE", "") != "1"
+
+
+def checkpoint_inside(layer: Any) -> None:
+    """Checkpoint `layer` inside its compiled region instead of around it.
+
+    transformers' GradientCheckpointingLayer calls checkpoint(layer) outside the compiled graph,
+    so each layer's compiled forward runs twice, each time saving what its backward needs. Traced
+    inside, the checkpoint becomes dynamo's activation-checkpoint region: AOT autograd's
+    partitioner saves the layer's inputs and recomputes its forward within the backward graph.
+    Eval and no-grad calls pass through (nothing to checkpoint)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = layer.forward
+    layer.gradient_checkpointing = False
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not (layer.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed
+
+
+def compile_stats() -> dict:
+    """Dynamo's counters (graphs compiled, graph breaks, recompiles), for the ledger."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {"graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0)}
