@@ -5,7 +5,7 @@
 #   preset D plain (sdpa, no Liger, peft's LoRA) -> D with the defaults (auto) -> D + regional compile
 #   -> D with lora_dropout 0.05 -> C with the defaults -> C + compile; a sync-debug step on D;
 #   then one profiled step of PROFILE_RUN (default D; empty: none), its kernel-time table by category.
-# GC_CHECK=1 adds bench/gc_compile_check.py (checkpointing around or inside compiled layers, dense and NF4).
+# GC_CHECK=1 adds bench/gc_compile_check.py (checkpointing around or inside compiled layers, dense and NF4; nf4: NF4 only).
 # Needs (carried, never committed): .whl (bench/device_env.sh), .usite (bitsandbytes from
 # ../shared/tools/make_unsloth_site.sh), .carry/alpaca_fieldlen.json (bench/make_fieldlen_data.py).
 #   bash bench/h200_levers.sh            # on the device, from the repository root
@@ -46,8 +46,9 @@ if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per
   stamp "compile check exit $?: $(grep '^compile_check' /tmp/logs/compile_check.log | cut -c1-150 | tr '\n' '|')"
   cp /tmp/logs/compile_check.log "$OUT/"
 fi
-if [ "${GC_CHECK:-0}" = 1 ]; then   # checkpointing around or inside compiled layers, dense and NF4 (bench/gc_compile_check.py)
-  for q in "" --nf4; do
+if [ "${GC_CHECK:-0}" != 0 ]; then   # checkpointing around or inside compiled layers (bench/gc_compile_check.py): 1 dense and NF4, nf4: NF4 only
+  qs=('' --nf4); [ "$GC_CHECK" = nf4 ] && qs=(--nf4)
+  for q in "${qs[@]}"; do
     stamp "gc compile check ${q:-dense}"
     timeout 150 ${PY:-python3} bench/gc_compile_check.py --device cuda $q --out "/tmp/logs/gc_compile_check${q:+-nf4}.json" \
       > "/tmp/logs/gc_compile_check${q:+-nf4}.log" 2>&1
