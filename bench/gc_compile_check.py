@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -71,7 +72,7 @@ def build(path: Path, device: str, dtype: torch.dtype, gc: bool, mode: str, drop
     speed.fuse_lora(m, True)
     line = "off"
     if mode != "eager":
-        line = compiled.compile_layers(m, True, "cuda", True, nf4, checkpoint=(mode == "compiled-inside") and gc)
+        line = compiled.compile_layers(m, True, "cuda", True, nf4, checkpoint=mode.startswith("compiled-inside") and gc)
     m.train()
     return m, line
 
@@ -91,15 +92,20 @@ def run_case(path: Path, args, gc: bool, mode: str) -> dict:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
     m, line = build(path, args.device, dtype, gc, mode, args.dropout, args.nf4)
     losses, grads, times, saved = [], None, [], []
 
     weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
 
+    shapes: dict = {}
+
     def pack(t: torch.Tensor) -> torch.Tensor:  # activations only: a saved weight is a reference, no memory
         if t.untyped_storage().data_ptr() not in weights:
             saved[-1] += t.numel() * t.element_size()
+            if len(saved) == 1:
+                key = f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                shapes[key] = shapes.get(key, 0) + 1
         return t
 
     for i, b in enumerate(batches(args.device, args.steps)):
@@ -120,7 +126,8 @@ def run_case(path: Path, args, gc: bool, mode: str) -> dict:
     return {"gc": gc, "mode": mode, "compile": line, "losses": losses, "grads": grads,
             "s_per_step_median": round(steady[len(steady) // 2], 4), "saved_mib_step0": round(saved[0] / 2**20, 2),
             "graphs": counters["stats"].get("unique_graphs", 0), "graph_breaks": sum(counters["graph_break"].values()),
-            "graph_break_reasons": sorted(counters["graph_break"])[:5]}
+            "graph_break_reasons": sorted(counters["graph_break"])[:5],
+            "saved_step0": sorted(shapes.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> int:
@@ -128,18 +135,22 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--nf4", action="store_true", help="a 4-bit base (bitsandbytes NF4; needs a CUDA GPU)")
-    ap.add_argument("--tol", type=float, default=None, help="relative gradient error allowed (default 1e-4 fp32, 2e-2 bf16)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 on cuda, fp32 on a CPU")
+    ap.add_argument("--nf4", action="store_true", help="a 4-bit base (bitsandbytes NF4; >= 0.49 quantizes on a CPU too)")
+    ap.add_argument("--tol", type=float, default=None, help="relative gradient error allowed (default 1e-4 fp32, 3e-2 bf16: tests/test_speed.py's NF4_TOL)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    if args.nf4 and args.device != "cuda":
-        ap.error("--nf4 needs --device cuda (bitsandbytes' 4-bit kernels)")
-    tol = args.tol or (2e-2 if args.device == "cuda" else 1e-4)
+    tol = args.tol or (3e-2 if args.device == "cuda" or args.dtype == "bf16" else 1e-4)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "model"
         write_model(path)
-        cases = [(False, "eager"), (True, "eager"), (True, "compiled-outside"), (True, "compiled-inside")]
-        results = [run_case(path, args, gc, mode) for gc, mode in cases]
+        cases = [(False, "eager"), (True, "eager"), (True, "compiled-outside"), (True, "compiled-inside"),
+                 (True, "compiled-inside-must")]
+        results = []
+        for gc, mode in cases:
+            # compiled.checkpoint_inside's policy: every op MUST_RECOMPUTE, or the default (PREFER_RECOMPUTE)
+            os.environ["TUNELEDGER_CHECKPOINT_POLICY"] = "must" if mode.endswith("-must") else ""
+            results.append(run_case(path, args, gc, mode))
     ref = results[0]["grads"]
     worst_all = 0.0
     for r in results:
@@ -147,10 +158,11 @@ def main() -> int:
         worst = max(((g[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n in ref)
         r["grad_rel_err_max"] = worst
         worst_all = max(worst_all, worst)
-        print(f"gc_compile_check {'GC' if r['gc'] else 'no GC'} {r['mode']:<16} compile={r['compile']!r} "
+        print(f"gc_compile_check {'GC' if r['gc'] else 'no GC'} {r['mode']:<20} compile={r['compile']!r} "
               f"graphs={r['graphs']} breaks={r['graph_breaks']} {r['s_per_step_median']:.4f} s/step "
               f"saved for backward {r['saved_mib_step0']} MiB "
               f"grad err {worst:.2e} losses {r['losses'][:4]}")
+        print(f"  saved (shape dtype: count): {', '.join(f'{k}: {v}' for k, v in r['saved_step0'][:12])}")
         if r["graph_breaks"]:
             print(f"  graph breaks: {r['graph_break_reasons']}")
     if args.out:

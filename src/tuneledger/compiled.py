@@ -101,11 +101,21 @@ def checkpoint_inside(layer: Any) -> None:
 
     forward = layer.forward
     layer.gradient_checkpointing = False
+    extra = {}
+    if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") == "must":
+        # Every op of the layer MUST_RECOMPUTE (selective checkpointing's policy), where the default
+        # tag (PREFER_RECOMPUTE) leaves the partitioner free to save: measured in make bench first.
+        from functools import partial
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        extra["context_fn"] = partial(create_selective_checkpoint_contexts,
+                                      lambda ctx, op, *a, **k: CheckpointPolicy.MUST_RECOMPUTE)
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not (layer.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     layer.forward = checkpointed
 
