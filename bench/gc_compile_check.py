@@ -145,11 +145,11 @@ def main() -> int:
         path = Path(d) / "model"
         write_model(path)
         cases = [(False, "eager"), (True, "eager"), (True, "compiled-outside"), (True, "compiled-inside"),
-                 (True, "compiled-inside-must")]
+                 (True, "compiled-inside-prefer")]
         results = []
         for gc, mode in cases:
-            # compiled.checkpoint_inside's policy: every op MUST_RECOMPUTE, or the default (PREFER_RECOMPUTE)
-            os.environ["TUNELEDGER_CHECKPOINT_POLICY"] = "must" if mode.endswith("-must") else ""
+            # compiled.checkpoint_inside's policy: every op MUST_RECOMPUTE (default), or PREFER_RECOMPUTE
+            os.environ["TUNELEDGER_CHECKPOINT_POLICY"] = "prefer" if mode.endswith("-prefer") else ""
             results.append(run_case(path, args, gc, mode))
     ref = results[0]["grads"]
     worst_all = 0.0

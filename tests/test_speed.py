@@ -305,9 +305,14 @@ def test_compiled_layer_keeps_no_dequantized_weight_for_backward(tiny_model):
 def _saved_activation_bytes(m, x) -> tuple[int, list]:
     """Bytes saved for backward by one training step in the decoder layers, and the saved
     (shape, dtype) list. Not counted: the model's parameters (a saved weight is a reference, no
-    memory) and the logits and loss tensors [.., vocab], alike in every case and, with the tiny
-    model's 151k vocabulary, larger than all layers together."""
+    memory), NF4 quant states (absmax, code: the weights' too) and the logits and loss tensors
+    [.., vocab], alike in every case and, with the tiny model's 151k vocabulary, larger than all
+    layers together."""
     weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    for mod in m.modules():
+        state = getattr(getattr(mod, "weight", None), "quant_state", None)
+        for part in (state, getattr(state, "state2", None)):
+            weights |= {t.untyped_storage().data_ptr() for t in vars(part).values() if torch.is_tensor(t)} if part else set()
     vocab = m.get_output_embeddings().weight.shape[0]
     total, kept = [0], []
 
@@ -336,7 +341,7 @@ def test_checkpoint_inside_compiled_layers_is_checkpointing(tiny_model, quant):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile_it:
             line = compiled.compile_layers(m, True, DEVICE, fused=True, quantized=quant, checkpoint=gc)
-            assert line.endswith("checkpointing inside)") == gc, line
+            assert ("checkpointing inside, every op recomputed" in line) == gc, line
         m.train()
         return m
 
@@ -354,7 +359,15 @@ def test_checkpoint_inside_compiled_layers_is_checkpointing(tiny_model, quant):
     rel, name = _worst(g0, g1)
     assert rel < (NF4_TOL if quant else 1e-4), (name, rel)
     assert ref_bytes < no_gc_bytes / 2, (ref_bytes, no_gc_bytes)  # the control: checkpointing saves memory here
-    assert inside_bytes <= 1.1 * ref_bytes, (inside_bytes, ref_bytes)
+    # Eager non-reentrant checkpointing holds each layer's inputs (hidden [B,T,H], cos and sin
+    # [B,T,head_dim]) outside saved_tensors_hooks; the compiled graph saves them through the hooks
+    # (torch 2.13), so they are the fair allowance on top of eager's count.
+    cfg = m.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    size = m.get_input_embeddings().weight.element_size()
+    inputs = cfg.num_hidden_layers * x.shape[1] * (cfg.hidden_size + 2 * head_dim) * size
+    assert inside_bytes <= 1.1 * ref_bytes + inputs, (inside_bytes, ref_bytes, inputs)
+    assert inside_bytes < no_gc_bytes / 2, (inside_bytes, no_gc_bytes)
     if quant:
         weights = {tuple(mod.get_base_layer().weight.quant_state.shape) for mod in m.modules() if hasattr(mod, "lora_A")}
         assert not [s for s in kept if s[0] in weights and s[1] == torch.bfloat16]

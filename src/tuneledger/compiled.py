@@ -79,7 +79,10 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     import torch._inductor.config as inductor_config
 
     wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
-    inside = ", checkpointing inside" if checkpoint else ""
+    inside = ""
+    if checkpoint:
+        inside = ", checkpointing inside" + (", partitioner's choice" if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"
+                                             else ", every op recomputed")
     return f"on ({len(layers)} decoder layers, regional{wrapper}{inside})"
 
 
@@ -102,9 +105,12 @@ def checkpoint_inside(layer: Any) -> None:
     forward = layer.forward
     layer.gradient_checkpointing = False
     extra = {}
-    if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") == "must":
-        # Every op of the layer MUST_RECOMPUTE (selective checkpointing's policy), where the default
-        # tag (PREFER_RECOMPUTE) leaves the partitioner free to save: measured in make bench first.
+    if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") != "prefer":
+        # Every op of the layer MUST_RECOMPUTE (selective checkpointing's policy). The default tag,
+        # PREFER_RECOMPUTE, leaves the CUDA partitioner free to save projection outputs: preset B on
+        # an H200 then held 13.5 GiB (5,314 tokens/s) against 8.6 GiB (5,142) with this policy and
+        # 8.7 GiB with the checkpoint outside (bench/results/h200-2026-12-03). Checkpointing exists
+        # for memory; TUNELEDGER_CHECKPOINT_POLICY=prefer (make bench's *prefer rows) keeps the other.
         from functools import partial
 
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
