@@ -15,7 +15,7 @@
 #   GPUS="2" EPOCHS=1 SAVE=3 DRY_STEPS=4 DRY_WARMUP=1 EXTRA="max_samples=32 cutoff_len=128 global_batch_size=8 bf16=false" \
 #   OUT=/tmp/out-smoke bash bench/h200_eta.sh
 # Every stage runs under `timeout` against DEADLINE (s for the whole script); a train runs only when
-# its own dry-run's ETA fits in the time left. $OUT gets 7 files (the limit is 8).
+# its own dry-run's ETA fits in the time left. $OUT gets 8 files with 2 world sizes (the limit is 8).
 set -uo pipefail
 GPUS=${GPUS:-2 1}                  # world sizes, in order
 PRESET=${PRESET:-D}
@@ -50,6 +50,12 @@ budget() { local l; l=$(left); echo $(( l > 1 ? l : 1 )); }   # timeout 0 would 
   python3 -c "import torch, transformers, peft, datasets, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__)"
 } >> "$LOG" 2>&1
 stamp "setup done"
+# The host's CPU over the call (the ETA's start-up parts ran 20-30% slower in C's train than in its
+# dry-run on 2026-12-03, the steps did not): /proc/stat's cpu line and the load, once a second.
+while :; do echo "$(date +%s.%N) $(head -1 /proc/stat) $(cut -d' ' -f1-4 /proc/loadavg)"; sleep 1; done > "$OUT/cpu.log" 2>/dev/null &
+CPU_PID=$!
+trap 'kill $CPU_PID 2>/dev/null' EXIT
+psnap() { ps -eo pid,ppid,pcpu,rss,etimes,args --sort=-pcpu 2>/dev/null | head -12 | cut -c1-160 >> "$LOG"; }
 synth_model "$LOG"
 
 if [ ! -f "$DATASET" ]; then
@@ -69,6 +75,7 @@ for n in $GPUS; do
   if [ "$(left)" -lt 120 ]; then stamp "$TAG: skipped, $(left) s left"; continue; fi
 
   stamp "$TAG: dryrun --preset $PRESET ($DRY_STEPS steps, $DRY_WARMUP of them the run's first)"
+  psnap
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$visible} timeout -k 20 -s INT "$(budget)" \
     $TL dryrun $JOB --preset "$PRESET" --nproc "$n" $DRYRUN_FLAGS $FLAGS > "$OUT/dryrun-$TAG.log" 2>&1
   stamp "$TAG: dryrun exit $?"
@@ -80,6 +87,7 @@ for n in $GPUS; do
   fi
 
   stamp "$TAG: train preset=$PRESET, $epochs epochs, a save every $SAVE (predicted at most $predicted s)"
+  psnap   # what else runs as the train starts (a dry-run's leftovers?)
   s=$(date +%s.%N)
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$visible} timeout -k 20 -s INT "$(budget)" \
     $TL train $JOB preset="$PRESET" --nproc "$n" $FLAGS > "$OUT/train-$TAG.log" 2>&1

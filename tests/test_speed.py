@@ -259,6 +259,25 @@ def test_fused_nf4_projection_equals_bitsandbytes(tiny_model, dropout):
     assert rel < NF4_TOL, (name, rel)
 
 
+@pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("shape", [(64, 128), (3584, 512)])  # 128 absmax blocks (< one nested block of 256); 28,672
+def test_dequantize_in_graph_is_bitsandbytes_dequantize(nested, shape):
+    """The torch-ops dequantization of compiled layers gives bitsandbytes' weight bit for bit."""
+    import bitsandbytes.functional as bf
+
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    packed, state = bf.quantize_4bit(w, quant_type="nf4", compress_statistics=nested, blocksize=64)
+    want = bf.dequantize_4bit(packed, state)
+
+    class Base:
+        weight = packed
+    packed.quant_state = state
+    got = speed.dequantize_in_graph(*speed.base_weight_inputs(Base))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", [pytest.param(False, id="dense"), pytest.param(True, id="nf4", marks=pytest.mark.skipif(
     not _has_bnb(), reason="needs bitsandbytes"))])
@@ -272,7 +291,12 @@ def test_compiled_fused_projection_has_eager_gradients(tiny_model, quant):
             compiled.compile_layers(m, True, DEVICE, fused=True, quantized=quant)
         return m
 
-    (l0, g0), (l1, g1) = (_grads(build(c), IDS) for c in (False, True))
+    from torch._inductor.utils import run_and_get_code
+
+    l0, g0 = _grads(build(False), IDS)
+    (l1, g1), code = run_and_get_code(_grads, build(True), IDS)
+    # NF4 is dequantized inside the compiled graph (speed.dequantize_in_graph), not by bitsandbytes' ops
+    assert code and not [c for c in code if "bitsandbytes" in c]
     assert abs(l0 - l1) < (1e-2 if quant else 1e-5) * abs(l0), (l0, l1)
     rel, name = _worst(g0, g1)
     assert rel < (NF4_TOL if quant else 1e-4), (name, rel)

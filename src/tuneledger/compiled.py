@@ -83,7 +83,16 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     if checkpoint:
         inside = ", checkpointing inside" + (", partitioner's choice" if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"
                                              else ", every op recomputed")
-    return f"on ({len(layers)} decoder layers, regional{wrapper}{inside})"
+    dequant = ""
+    if quantized:
+        dequant = ", NF4 dequantized in the graph" if dequant_in_graph() else ", bitsandbytes' dequantize ops"
+    return f"on ({len(layers)} decoder layers, regional{wrapper}{dequant}{inside})"
+
+
+def dequant_in_graph() -> bool:
+    """Whether a compiled layer dequantizes NF4 in its own graph (dequantize_in_graph): yes, unless
+    TUNELEDGER_DEQUANT=bnb (make bench's *bnbdq rows: bitsandbytes' ops inside the graph)."""
+    return os.environ.get("TUNELEDGER_DEQUANT", "") != "bnb"
 
 
 def checkpoint_inside_wanted() -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tuneledger.compiled import COMPILE_NEEDS_FUSED
+from tuneledger.compiled import COMPILE_NEEDS_FUSED, dequant_in_graph
 
 VARLEN = "tuneledger_varlen"  # our attention function's name in transformers' AttentionInterface
 
@@ -191,27 +191,49 @@ def apply_liger(model: Any, wanted: bool | None, device_type: str, compiled: boo
 # ---------------------------------------------------------------------------------- fused LoRA
 def base_weight_inputs(base: Any) -> tuple:
     """The frozen base weight as plain tensors and constants, for LoraProjection.apply:
-    (w, absmax, absmax2, code2, offset, meta). Dense: (W [out, in], None, None, None, None, None).
+    (w, absmax, absmax2, code2, offset, code, meta). Dense: (W [out, in], None x 5, None).
     4-bit: the packed uint8 weight, its absmax (uint8 under double quantization), the nested
-    absmax and code (or None), the nested offset, and meta = (blocksize, nested blocksize,
-    quant_type, shape, dtype). Tensors go in as arguments and never ride on ctx: a compiled layer
+    absmax and code (or None), the nested offset, the 4-bit code table [16] (NF4's values) and
+    meta = (blocksize, nested blocksize, quant_type, shape, dtype). Tensors go in as arguments and never ride on ctx: a compiled layer
     traces backward once for all 28 layers, and what backward reads off an object instead of its
     inputs is baked in from the layer it was traced on."""
     w = base.weight
     qs = getattr(w, "quant_state", None)
     if qs is None:
-        return w, None, None, None, None, None
+        return w, None, None, None, None, None, None
     meta = (qs.blocksize, qs.state2.blocksize if qs.nested else 0, qs.quant_type, tuple(qs.shape), qs.dtype)
     if qs.nested:
-        return w, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, meta
-    return w, qs.absmax, None, None, None, meta
+        return w, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.code, meta
+    return w, qs.absmax, None, None, None, qs.code, meta
 
 
-def _dequantize(w, absmax, absmax2, code2, offset, meta) -> torch.Tensor:
-    """The base weight [out, in] in its compute dtype, through bitsandbytes' torch.library ops
-    (traceable; the same calls as bitsandbytes.functional.dequantize_4bit)."""
+def dequantize_in_graph(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
+    """bitsandbytes' 4-bit dequantization written in torch ops, for inside a compiled layer: the
+    compiler fuses it (double quantization's absmax included) into one kernel per weight, where
+    bitsandbytes' torch.library ops are two opaque calls each, through Python, 4 per projection and
+    micro-batch (6,272 per preset C step). The arithmetic is bitsandbytes' own (its `default`
+    backend, backends/default/ops.py, and the CUDA kernel): each byte holds two codes, high nibble
+    first; value = code[q] x absmax[block] in fp32, then the compute dtype; nested absmax =
+    code2[a] x absmax2[block2] + offset. Shapes: w packed [n/2, 1] uint8 -> [out, in]."""
+    blocksize, blocksize2, _, shape, dtype = meta
+    n = shape[0] * shape[1]
+    if absmax2 is not None:
+        blocks = torch.arange(absmax.numel(), device=w.device) // blocksize2
+        absmax = code2[absmax.long()] * absmax2[blocks] + offset
+    b = w.view(torch.uint8).reshape(-1)
+    q = torch.stack((b >> 4, b & 0xF), dim=-1).reshape(-1)[:n]
+    values = code[q.long()] * absmax.float()[torch.arange(n, device=w.device) // blocksize]
+    return values.to(dtype).reshape(shape)
+
+
+def _dequantize(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
+    """The base weight [out, in] in its compute dtype: inside a compiled layer in torch ops
+    (dequantize_in_graph), else through bitsandbytes' torch.library ops (the same calls as
+    bitsandbytes.functional.dequantize_4bit)."""
     if meta is None:
         return w
+    if torch.compiler.is_compiling() and dequant_in_graph():
+        return dequantize_in_graph(w, absmax, absmax2, code2, offset, code, meta)
     blocksize, blocksize2, quant_type, shape, dtype = meta
     if absmax2 is not None:
         absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, absmax2, code2, blocksize2, torch.float32) + offset
@@ -239,8 +261,8 @@ class LoraProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, A, B, bias, w, absmax, absmax2, code2, offset, meta, scale, p):
-        wd = _dequantize(w, absmax, absmax2, code2, offset, meta)
+    def forward(ctx, x, A, B, bias, w, absmax, absmax2, code2, offset, code, meta, scale, p):
+        wd = _dequantize(w, absmax, absmax2, code2, offset, code, meta)
         dt = wd.dtype
         x = x.to(dt)
         y = torch.addmm(bias.to(dt), x, wd.t()) if bias is not None else x @ wd.t()
@@ -253,13 +275,13 @@ class LoraProjection(torch.autograd.Function):
         y = torch.addmm(y, a, B.to(dt).t(), alpha=scale)
         # x, not drop(x): x is one tensor shared by q/k/v (and gate/up) and kept anyway, while
         # each drop(x) is a copy of its own (about 7 GiB on preset D); backward remakes it from the mask.
-        ctx.save_for_backward(x, a, A, B, w, absmax, absmax2, code2, offset, mask)
+        ctx.save_for_backward(x, a, A, B, w, absmax, absmax2, code2, offset, code, mask)
         ctx.meta, ctx.scale, ctx.p = meta, scale, p
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, a, A, B, w, absmax, absmax2, code2, offset, mask = ctx.saved_tensors
+        x, a, A, B, w, absmax, absmax2, code2, offset, code, mask = ctx.saved_tensors
         s, dt = ctx.scale, x.dtype
         dy = dy.to(dt)
         dyb = dy @ B.to(dt)
@@ -268,10 +290,10 @@ class LoraProjection(torch.autograd.Function):
         if mask is not None:
             dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - ctx.p))
             xd = torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - ctx.p))
-        dx = torch.addmm(dlora, dy, _dequantize(w, absmax, absmax2, code2, offset, ctx.meta))
+        dx = torch.addmm(dlora, dy, _dequantize(w, absmax, absmax2, code2, offset, code, ctx.meta))
         dA = (dyb.t() @ xd).mul_(s).to(A.dtype)
         dB = (dy.t() @ a).mul_(s).to(B.dtype)
-        return dx, dA, dB, None, None, None, None, None, None, None, None, None
+        return dx, dA, dB, None, None, None, None, None, None, None, None, None, None
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
