@@ -91,12 +91,12 @@ for r in $RUNS; do
     cpp) o="$AUTO";;   # inductor's C++ wrapper for the compiled layers: less Python per launch (host-bound C)
     gcout) o="$AUTO";; # A/B: transformers' checkpoint around the compiled layers, as before compiled.checkpoint_inside
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
-    bnbdq) o="$AUTO";;   # A/B: bitsandbytes' dequantize ops inside the compiled layers (TUNELEDGER_DEQUANT=bnb)
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp|gcout|prefer|bnbdq>, unsloth, hf)"; continue;;
+    graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp|gcout|prefer|graphdq>, unsloth, hf)"; continue;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"; [ "${r:1}" = cpp ] && e="TORCHINDUCTOR_CPP_WRAPPER=1"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
-  [ "${r:1}" = bnbdq ] && e="TUNELEDGER_DEQUANT=bnb"
+  [ "${r:1}" = graphdq ] && e="TUNELEDGER_DEQUANT=graph"
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
   cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps
   [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))

@@ -90,9 +90,11 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
 
 
 def dequant_in_graph() -> bool:
-    """Whether a compiled layer dequantizes NF4 in its own graph (dequantize_in_graph): yes, unless
-    TUNELEDGER_DEQUANT=bnb (make bench's *bnbdq rows: bitsandbytes' ops inside the graph)."""
-    return os.environ.get("TUNELEDGER_DEQUANT", "") != "bnb"
+    """Whether a compiled layer dequantizes NF4 in torch ops of its own graph (speed.dequantize_in_graph)
+    instead of bitsandbytes' ops: only with TUNELEDGER_DEQUANT=graph (make bench's *graphdq rows).
+    Measured in one H200 call, preset C: 7,952 tokens/s in the graph against 8,177 with bitsandbytes'
+    ops (mean step; bench/results/h200-2026-12-04): no gain, so not the default."""
+    return os.environ.get("TUNELEDGER_DEQUANT", "") == "graph"
 
 
 def checkpoint_inside_wanted() -> bool:

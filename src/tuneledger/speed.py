@@ -208,10 +208,11 @@ def base_weight_inputs(base: Any) -> tuple:
 
 
 def dequantize_in_graph(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
-    """bitsandbytes' 4-bit dequantization written in torch ops, for inside a compiled layer: the
-    compiler fuses it (double quantization's absmax included) into one kernel per weight, where
-    bitsandbytes' torch.library ops are two opaque calls each, through Python, 4 per projection and
-    micro-batch (6,272 per preset C step). The arithmetic is bitsandbytes' own (its `default`
+    """bitsandbytes' 4-bit dequantization written in torch ops, for inside a compiled layer
+    (TUNELEDGER_DEQUANT=graph, compiled.dequant_in_graph): the compiler fuses it (double
+    quantization's absmax included) into one kernel per weight, where bitsandbytes' torch.library
+    ops are two opaque calls each, 4 per projection and micro-batch. Not faster on an H200 (preset
+    C 7,952 against 8,177 tokens/s), so opt-in. The arithmetic is bitsandbytes' own (its `default`
     backend, backends/default/ops.py, and the CUDA kernel): each byte holds two codes, high nibble
     first; value = code[q] x absmax[block] in fp32, then the compute dtype; nested absmax =
     code2[a] x absmax2[block2] + offset. Shapes: w packed [n/2, 1] uint8 -> [out, in]."""
