@@ -47,6 +47,7 @@ budget() { local l; l=$(left); echo $(( l > 1 ? l : 1 )); }   # timeout 0 would 
 
 {
   command -v nvidia-smi >/dev/null && { nvidia-smi; nvidia-smi topo -m; }
+  echo "host: $(nproc) CPUs, $(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2), load $(cut -d" " -f1-3 /proc/loadavg)"
   python3 -c "import torch, transformers, peft, datasets, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__)"
 } >> "$LOG" 2>&1
 stamp "setup done"

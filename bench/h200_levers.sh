@@ -33,7 +33,7 @@ t0=$(date +%s)
 LOG=/tmp/logs/machine.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-{ nvidia-smi; ${PY:-python3} -c "import torch, transformers, peft, bitsandbytes, datasets, liger_kernel; from importlib.metadata import version; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'liger-kernel', version('liger-kernel'))"; } >> "$LOG" 2>&1
+{ nvidia-smi; echo "host: $(nproc) CPUs, $(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2), load $(cut -d" " -f1-3 /proc/loadavg)"; ${PY:-python3} -c "import torch, transformers, peft, bitsandbytes, datasets, liger_kernel; from importlib.metadata import version; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'liger-kernel', version('liger-kernel'))"; } >> "$LOG" 2>&1
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   stamp "tests/test_speed.py on the GPU"
