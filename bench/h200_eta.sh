@@ -104,23 +104,24 @@ python3 - "$OUT/eta-table.md" /tmp/run-eta-${TAG_PREFIX:-}*gpu <<'EOF' 2>&1 | te
 import json, sys
 from pathlib import Path
 out, runs = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
-lines = ["| GPUs | steps | dry-run: ETA (range) | train: took (from the shell) | error | inside range | steady s/step dry-run / train |",
-         "| --- | --- | --- | --- | --- | --- | --- |"]
+lines = ["| GPUs | steps | dry-run: ETA (range) | train: took (from the shell) | error | inside range | steady s/step dry-run / train "
+         "| host probe µs/op dry-run / train |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 parts = []
 for run in runs:
     f = run / "train.json"
     if not f.is_file():
-        lines.append(f"| {run.name} | no train.json | | | | | |")
+        lines.append(f"| {run.name} | no train.json | | | | | | |")
         continue
     r = json.loads(f.read_text()); c = r.get("eta_check", {})
     if "total" not in c:
-        lines.append(f"| {run.name} | {r['global_step']} | eta_check: {c.get('skipped')} | | | | |")
+        lines.append(f"| {run.name} | {r['global_step']} | eta_check: {c.get('skipped')} | | | | | |")
         continue
-    t, s = c["total"], c["steady_s_per_step"]
+    t, s, h = c["total"], c["steady_s_per_step"], c.get("host_probe_us") or {}
     shell = (run / "outside_wall_s").read_text().strip() if (run / "outside_wall_s").is_file() else "?"
     lines.append(f"| {r['world_size']} | {r['global_step']} | {t['predicted_s']:.1f} ({t['low_s']:.1f}-{t['high_s']:.1f}) "
                  f"| {t['actual_s']:.1f} ({shell}) | {t['error_pct']:+.1f}% | {t['inside_range']} "
-                 f"| {s['dryrun_median']:.3f} / {s['train_median']:.3f} |")
+                 f"| {s['dryrun_median']:.3f} / {s['train_median']:.3f} | {h.get('dryrun')} / {h.get('train')} |")
     parts += ["", f"{r['world_size']} GPU(s), s: part | predicted | actual | error %", "| --- | --- | --- | --- |"]
     parts += [f"| {k} | {v['predicted_s']} | {v['actual_s']} | {v['error_pct']} |" for k, v in c["parts"].items()]
     parts += [f"other estimators' error on the whole command, %: {c['other_estimators_error_pct']}"]

@@ -117,6 +117,39 @@ def test_a_run_too_short_to_measure_says_so_instead_of_nan(tmp_path):
     assert all(p["error_pct"] != -100 for p in c["parts"].values())
 
 
+def test_the_check_says_when_the_host_itself_changed_speed(tmp_path):
+    _, row = _ledger(tmp_path, {"preset": "C"})
+    act = {"parts": dict(row["eta"]["parts"]), "steps": 10, "step_spread": {"median": 1.0}}
+    act["total_s"] = sum(act["parts"].values())
+    slow = eta.check(row["eta"], act, "d.json", host_us=(1.0, 1.25))
+    assert slow["host_probe_us"]["train_over_dryrun"] == 1.25
+    assert "the host ran 25% slower in train" in eta.check_line(slow)
+    assert "as fast in both" in eta.check_line(eta.check(row["eta"], act, "d.json", host_us=(1.0, 1.02)))
+    assert "20% faster" in eta.check_line(eta.check(row["eta"], act, "d.json", host_us=(1.0, 0.8)))
+    old = eta.check(row["eta"], act, "d.json")  # a dry-run ledger from before the probe
+    assert old["host_probe_us"]["train_over_dryrun"] is None and "Host probe" not in eta.check_line(old)
+
+
+def test_host_probes_are_taken_every_n_steps_outside_every_measured_part(monkeypatch):
+    import time
+
+    from tuneledger import probes
+
+    assert 0 < probes.host_probe_us(ops=200) < 1e3  # µs per op call: a real host takes 0.5-5
+    monkeypatch.setattr(probes, "host_probe_us", lambda: time.sleep(0.05) or 2.5)
+    timer = probes.StepTimer(probes.Clock(cuda=False), probe_every=10)
+    for _ in range(21):
+        timer.on_step_begin(None, None, None)
+        timer.on_substep_end(None, None, None)
+        timer.on_pre_optimizer_step(None, None, None)
+        timer.on_step_end(None, None, None)
+    assert [p["after_step"] for p in timer.host_probe] == [1, 11, 21]
+    steps = timer.summary()
+    assert max(s["data_wait_s"] for s in steps) < 0.05 and max(s["step_s"] for s in steps) < 0.05
+    assert ledger.host_probe_median({"host_probe": timer.host_probe}) == 2.5
+    assert ledger.host_probe_median({"steps": steps}) is None
+
+
 def test_memory_line_names_fragmentation_and_the_fix():
     frag = [{"peak_allocated_mib": 69 * 1024, "peak_reserved_mib": 130 * 1024, "alloc_retries": 3}]
     line = eta.memory_line(frag, 143_771)
@@ -214,6 +247,10 @@ def test_dry_run_predicts_the_whole_train_command(tmp_path, tiny_model):
     # The command's own account of itself covers its wall time but the interpreter's exit.
     assert 0.8 * wall <= result["timing"]["total_s"] <= wall
     assert "ETA check: the dry-run predicted" in train.stdout
+    # The host's own speed, probed in both, is in the check: it tells a host that changed from a
+    # prediction that went wrong.
+    assert row["host_probe_us"] > 0 and check["host_probe_us"]["train"] > 0 and check["host_probe_us"]["train_over_dryrun"] > 0
+    assert "Host probe: dry-run" in train.stdout
     # The accounting is what is tested, not this machine's speed: when the shared cores ran the
     # train's steps slower (or faster) than the dry-run's, every part moves with them (CI on
     # 2026-12-02: steps -33%, saves -40%, model load -56%, start-up parts within 6%). Take that

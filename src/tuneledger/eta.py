@@ -255,9 +255,12 @@ def _err(pred: float, act: float) -> float | None:
     return round((pred - act) / act * 100, 1) if act > 0 and pred > 0 else None
 
 
-def check(pred: dict, act: dict, source: str) -> dict:
+def check(pred: dict, act: dict, source: str, host_us: tuple[float | None, float | None] = (None, None)) -> dict:
     """Predicted beside actual, per part and in total; error_pct = (predicted - actual) / actual:
-    positive means the dry-run said longer than it took."""
+    positive means the dry-run said longer than it took. host_us: the dry-run's and the train's
+    median host probe (probes.host_probe_us, µs per torch op call); their ratio says whether the
+    host itself ran slower or faster between the two, which moves a host-bound preset's steps."""
+    dry_us, train_us = host_us
     parts = {k: {"predicted_s": round(pred["parts"].get(k, 0.0), 2), "actual_s": round(act["parts"][k], 2),
                  "error_pct": _err(pred["parts"].get(k, 0.0), act["parts"][k])} for k in PARTS}
     steady = act["step_spread"].get("median")
@@ -271,6 +274,8 @@ def check(pred: dict, act: dict, source: str) -> dict:
                               "error_pct": _err(pred["s_per_step"], steady) if steady else None},
         "other_estimators_error_pct": {k: _err(v, act["total_s"]) for k, v in pred.get("other_estimators", {}).items()},
         "steps": {"predicted": pred["total_steps"], "actual": act["steps"]},
+        "host_probe_us": {"dryrun": dry_us, "train": train_us,
+                          "train_over_dryrun": round(train_us / dry_us, 3) if dry_us and train_us else None},
     }
 
 
@@ -292,7 +297,18 @@ def check_line(c: dict) -> str:
             + (f"{t['error_pct']:+.1f}% ({where} the range). " if t["error_pct"] is not None else "no error to compute. ")
             + f"Steady s/step: dry-run {c['steady_s_per_step']['dryrun_median']:.3f}, train "
             + (f"{train:.3f}" if train else "- (no step after the warm-up steps to measure)")
-            + ". Per part: train.json eta_check")
+            + ". " + host_line(c.get("host_probe_us") or {}) + "Per part: train.json eta_check")
+
+
+def host_line(h: dict) -> str:
+    """'Host probe: ...' when both runs took one, else ''. 5% either way is the probe's own noise
+    on an idle machine (tests/test_eta.py's repeat); beyond that the host changed speed."""
+    r = h.get("train_over_dryrun")
+    if not r:
+        return ""
+    how = ("as fast in both" if abs(r - 1) < 0.05 else
+           f"the host ran {abs(r - 1) * 100:.0f}% {'slower' if r > 1 else 'faster'} in train: a host-bound step moves with it")
+    return f"Host probe: dry-run {h['dryrun']:.2f}, train {h['train']:.2f} µs per torch op ({how}). "
 
 
 def memory_line(ranks: list[dict], total_mib: float | None) -> str | None:

@@ -66,12 +66,20 @@ def spread(xs: list[float]) -> dict:
             "sd": statistics.stdev(s) if len(s) > 1 else 0.0}
 
 
+def host_probe_median(rank: dict) -> float | None:
+    """The median of a rank's host probes (probes.host_probe_us: µs per torch op call), None
+    where the run took none (results from before the probe)."""
+    xs = [p["us"] for p in rank.get("host_probe") or []]
+    return round(statistics.median(xs), 3) if xs else None
+
+
 def summarize_run(result: dict, warmup: int) -> dict:
     """Steady-state numbers of one dry-run result (worker.fit's return value).
 
     Returns s_per_step (the median, s) with step_spread and every step's duration, tokens_per_s
     (aggregate, at the median step), tokens_per_s_mean (over the window's wall time: the mean step),
-    step_losses (every step's loss, mean over ranks), tokens_per_s_per_gpu, split (mean seconds per
+    step_losses (every step's loss, mean over ranks), host_probe_us (rank 0's median host probe,
+    µs per torch op call, or None), tokens_per_s_per_gpu, split (mean seconds per
     part and method), memory per rank (MiB), steps measured and excluded, and the run's steps they replayed.
     Raises ValueError when there are not more steps than warm-up steps.
     """
@@ -132,6 +140,7 @@ def summarize_run(result: dict, warmup: int) -> dict:
         "alloc_retries_by_step": [s.get("alloc_retries") for s in steps] if steps[0].get("alloc_retries") is not None else None,
         "tokens_per_s": tokens / len(steady) / s_median, "tokens_per_s_per_gpu": tokens / len(steady) / s_median / world,
         "tokens_per_step": tokens / len(steady),
+        "host_probe_us": host_probe_median(r0),
         # What a whole run pays: the window's tokens over its wall time (gaps and slow steps included).
         "tokens_per_s_mean": tokens / window if window > 0 else None,
         # Each step's loss, the mean over ranks (as the Trainer logs it), warm-up steps included.

@@ -2,6 +2,8 @@
 
 - `Clock` and `StepTimer`: CUDA events (no host sync) at each micro-batch boundary, before and
   after the optimizer and at step end, read once after training;
+- `host_probe_us`: the host's speed at what a host-bound step is made of, sampled by StepTimer at
+  the first step and every HOST_PROBE_EVERY steps, so a dry-run and its train can be compared;
 - `EvalCounter`: eval micro-batches per rank; `SyncDebug`: TUNELEDGER_SYNC_DEBUG=N warns at every
   host-device sync of step N;
 - `bench_matmul_tflops` (the MFU denominator) and `bench_allreduce` (the gradient's all-reduce),
@@ -43,16 +45,38 @@ class Clock:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
+HOST_PROBE_EVERY = 10  # steps; a probe takes ~5 ms of host time, 0.03% of a 1.6 s step at this rate
+HOST_PROBE_OPS = 2000
+
+
+def host_probe_us(ops: int = HOST_PROBE_OPS) -> float:
+    """Host speed: µs per torch operator call on a 1-element CPU tensor, over `ops` calls (~5 ms).
+
+    A host-bound step is Python and torch's dispatcher launching kernels; this times the same
+    path without the GPU, so a slower or busier host (a VM's neighbours, a lower clock) shows as a
+    larger figure. It measures the host, not the job: compare it between runs on one machine.
+    """
+    a, b = torch.ones(1), torch.zeros(1)
+    t = time.perf_counter()
+    for _ in range(ops):
+        torch.add(a, b, out=a)
+    return (time.perf_counter() - t) / ops * 1e6
+
+
 class StepTimer(TrainerCallback):
     """Per optimizer step: micro-batch times (forward+backward), optimizer time, host data wait.
 
     The last micro-batch of a step carries DDP's gradient all-reduce (and any wait for a slower
     rank); the others run under `no_sync`. `summary()` synchronises once and returns lists in s.
+    `host_probe` holds {"after_step", "us"} samples of host_probe_us (µs), taken after the step's
+    end mark and before the next step's data wait starts, so no measured part holds them.
     """
 
-    def __init__(self, clock: Clock, device: torch.device | None = None):
+    def __init__(self, clock: Clock, device: torch.device | None = None, probe_every: int = HOST_PROBE_EVERY):
         self.clock = clock
         self.device = device
+        self.probe_every = probe_every
+        self.host_probe: list[dict] = []
         self.steps: list[dict] = []
         self._cur: dict | None = None
         self._host_end: float | None = None
@@ -84,6 +108,8 @@ class StepTimer(TrainerCallback):
                 self._cur["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
             self.steps.append(self._cur)
             self._cur = None
+            if self.probe_every and (len(self.steps) - 1) % self.probe_every == 0:
+                self.host_probe.append({"after_step": len(self.steps), "us": round(host_probe_us(), 3)})
         self._host_end = time.perf_counter()
 
     def on_save(self, args, state, control, **kw):

@@ -323,7 +323,7 @@ def check_eta(result: dict, cfg: Any, startup: dict, stats: dict, nproc: int, cp
     row, source = eta_.find_prediction(cfg.out_dir / "dryrun.json", cfg.model_dump(), nproc, stats["cache_key"], cpu)
     # The warm-up / other steps split as the dry-run made it, so the parts compare one to one.
     warmup = row["eta"]["warmup_steps"] if row else cfg.dryrun_warmup_steps
-    from tuneledger.ledger import compiled
+    from tuneledger.ledger import compiled, host_probe_median
 
     act = eta_.actual(startup, result, t_launch, t_exit, time.time(), warmup, compiled(result["model"]),
                       wall_s=eta_.process_age_s())
@@ -338,7 +338,7 @@ def check_eta(result: dict, cfg: Any, startup: dict, stats: dict, nproc: int, cp
         result["eta_check"] = {"skipped": source}
         print(f"ETA check: none ({source}); `tuneledger dryrun` with the same settings first predicts this command; {took}")
         return
-    result["eta_check"] = eta_.check(row["eta"], act, source)
+    result["eta_check"] = eta_.check(row["eta"], act, source, (row.get("host_probe_us"), host_probe_median(result["ranks"][0])))
     print(eta_.check_line(result["eta_check"]))
 
 

@@ -190,7 +190,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "memory_cap_gib": cfg.memory_cap_gib,
         # The process's peak resident memory (MiB; Linux reports KiB): the CPU runs' memory figure.
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "steps": steps, "cum_tokens": tokens, "eval_batches": eval_counter.batches, "step_losses": step_losses,
+        "steps": steps, "host_probe": timer.host_probe, "cum_tokens": tokens, "eval_batches": eval_counter.batches, "step_losses": step_losses,
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = [None] * world
