@@ -92,7 +92,8 @@ for r in $RUNS; do
     gcout) o="$AUTO";; # A/B: transformers' checkpoint around the compiled layers, as before compiled.checkpoint_inside
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp|gcout|prefer|graphdq>, unsloth, hf)"; continue;;
+    pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp|gcout|prefer|graphdq|pack>, unsloth, hf)"; continue;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"; [ "${r:1}" = cpp ] && e="TORCHINDUCTOR_CPP_WRAPPER=1"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
