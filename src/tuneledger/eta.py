@@ -301,8 +301,10 @@ def check_line(c: dict) -> str:
 
 
 def host_line(h: dict) -> str:
-    """'Host probe: ...' when both runs took one, else ''. 5% either way is the probe's own noise
-    on an idle machine (tests/test_eta.py's repeat); beyond that the host changed speed."""
+    """'Host probe: ...' when both runs took one, else ''. Within 5% either way it says 'as fast'.
+    The figure is a host's speed at that moment, not the job's: on the 2-core dev VM (idle) the
+    medians of 20 probes taken seconds apart ranged 0.95-1.79 µs (2026-12-04), so a run's median
+    over its probes is what compares, and a host-bound ETA cannot be tighter than its host."""
     r = h.get("train_over_dryrun")
     if not r:
         return ""
