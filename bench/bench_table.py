@@ -10,7 +10,9 @@ step: 6 N tokens/s / the GPU's measured bf16 matmul rate, 8 N with checkpointing
 weights a token passes through in matmuls, the ledger's `matmul_params`), peak_alloc_gib,
 gpu_busy_share (NVML utilisation over the measured window; the peers are not sampled) and
 first_losses; each row's ratio to the fastest peer of its preset on the mean step; and the loss
-check against the preset's plain path (LOSS_TOL).
+check against the preset's plain path (LOSS_TOL). The JSON's host_probe_us (µs per torch op call,
+probes.host_probe_us) says how fast the host ran for each tuneledger row: rows of a host-bound
+preset compare only where it agrees.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def ledger_rows(name: str, run: Path) -> list[dict]:
             "peak_alloc_gib": round(max(m["peak_allocated"] or 0 for m in p["memory_mib"]) / 1024, 1),
             "gpu_busy_share": (p.get("gpu_window") or {}).get("util_mean_pct", None),
             "first_losses": p.get("step_losses") or [], "matmul_params": model["matmul_params"], "peak_tflops": peak,
+            "host_probe_us": p.get("host_probe_us"),  # the host's speed during this row (probes.host_probe_us)
         })
     return out
 
