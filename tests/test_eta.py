@@ -117,13 +117,13 @@ def test_a_run_too_short_to_measure_says_so_instead_of_nan(tmp_path):
     assert all(p["error_pct"] != -100 for p in c["parts"].values())
 
 
-def test_the_check_says_when_the_host_itself_changed_speed(tmp_path):
+def test_the_check_reports_the_host_probe_of_both_runs(tmp_path):
     _, row = _ledger(tmp_path, {"preset": "C"})
     act = {"parts": dict(row["eta"]["parts"]), "steps": 10, "step_spread": {"median": 1.0}}
     act["total_s"] = sum(act["parts"].values())
     slow = eta.check(row["eta"], act, "d.json", host_us=(1.0, 1.25))
     assert slow["host_probe_us"]["train_over_dryrun"] == 1.25
-    assert "the host ran 25% slower in train" in eta.check_line(slow)
+    assert "the probe ran 25% slower in train" in eta.check_line(slow)
     assert "as fast in both" in eta.check_line(eta.check(row["eta"], act, "d.json", host_us=(1.0, 1.02)))
     assert "20% faster" in eta.check_line(eta.check(row["eta"], act, "d.json", host_us=(1.0, 0.8)))
     old = eta.check(row["eta"], act, "d.json")  # a dry-run ledger from before the probe

@@ -89,8 +89,8 @@ def markdown(led: dict) -> str:
                   "(mostly waiting for the slower rank)."]
     probes = [f"{r['preset']} {r['host_probe_us']:.2f}" for r in rows if r.get("host_probe_us")]
     if probes:
-        lines += ["", f"Host probe, µs per torch op call (probes.host_probe_us: the host's own speed, which sets a host-bound "
-                  f"preset's step; `train` prints its own beside it): {', '.join(probes)}."]
+        lines += ["", f"Host probe, µs per torch op call (probes.host_probe_us: the host's "
+                  f"speed at those moments, a pointer for a host-bound preset; `train` prints its own beside it): {', '.join(probes)}."]
     gpu_rows = [(r["preset"], g) for r in rows for g in ((r.get("gpu_window") or {}).get("gpus") or [])]
     if gpu_rows:
         lines += ["", "## GPUs over the steady window (NVML, sampled every 0.5 s)", "",

@@ -258,8 +258,8 @@ def _err(pred: float, act: float) -> float | None:
 def check(pred: dict, act: dict, source: str, host_us: tuple[float | None, float | None] = (None, None)) -> dict:
     """Predicted beside actual, per part and in total; error_pct = (predicted - actual) / actual:
     positive means the dry-run said longer than it took. host_us: the dry-run's and the train's
-    median host probe (probes.host_probe_us, µs per torch op call); their ratio says whether the
-    host itself ran slower or faster between the two, which moves a host-bound preset's steps."""
+    median host probe (probes.host_probe_us, µs per torch op call), kept with their ratio
+    (train / dry-run) beside the steady steps; see host_line for what the ratio does not say."""
     dry_us, train_us = host_us
     parts = {k: {"predicted_s": round(pred["parts"].get(k, 0.0), 2), "actual_s": round(act["parts"][k], 2),
                  "error_pct": _err(pred["parts"].get(k, 0.0), act["parts"][k])} for k in PARTS}
@@ -302,14 +302,17 @@ def check_line(c: dict) -> str:
 
 def host_line(h: dict) -> str:
     """'Host probe: ...' when both runs took one, else ''. Within 5% either way it says 'as fast'.
-    The figure is a host's speed at that moment, not the job's: on the 2-core dev VM (idle) the
-    medians of 20 probes taken seconds apart ranged 0.95-1.79 µs (2026-12-04), so a run's median
-    over its probes is what compares, and a host-bound ETA cannot be tighter than its host."""
+
+    The figure is the host's speed at those moments, not the job's, and it is a pointer, not a
+    correction: on the idle 2-core dev VM the medians of 20 probes taken seconds apart ranged
+    0.91-1.70 µs, in two clusters (bench/results/cpu-2026-12-04-host-probe), and in one H200
+    call the probe ran 76% slower in `train` while preset C's host-bound step ran 10% faster
+    (bench/results/h200-2026-12-04/call6-etaC). So the line reports the probe's change beside
+    the steady step's and draws no conclusion from it."""
     r = h.get("train_over_dryrun")
     if not r:
         return ""
-    how = ("as fast in both" if abs(r - 1) < 0.05 else
-           f"the host ran {abs(r - 1) * 100:.0f}% {'slower' if r > 1 else 'faster'} in train: a host-bound step moves with it")
+    how = "as fast in both" if abs(r - 1) < 0.05 else f"the probe ran {abs(r - 1) * 100:.0f}% {'slower' if r > 1 else 'faster'} in train"
     return f"Host probe: dry-run {h['dryrun']:.2f}, train {h['train']:.2f} µs per torch op ({how}). "
 
 
