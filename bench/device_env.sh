@@ -2,6 +2,7 @@
 # (NVLink multicast off, as the lender asks; no hub), the carried wheels installed once per machine
 # into /tmp/site, `$TL` and the synthetic Qwen2.5-7B at `$MODEL` (written once per machine by
 # `synth_model LOG`).
+# What it carries is built here by bench/make_carry.sh (.whl, .usite, .carry).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD/src
