@@ -278,6 +278,28 @@ def test_dequantize_in_graph_is_bitsandbytes_dequantize(nested, shape):
     assert torch.equal(got, want), (got - want).abs().max()
 
 
+@pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
+def test_compiled_layers_dequantize_through_bitsandbytes_ops_unless_asked(monkeypatch):
+    """Inside a compiled layer NF4 goes through bitsandbytes' ops by default and through the
+    torch-ops copy only with TUNELEDGER_DEQUANT=graph. (The compiled test below used to read this
+    off inductor's code with run_and_get_code, which left torch 2.5.1 segfaulting at its next compile.)"""
+    import bitsandbytes.functional as bf
+
+    w = torch.randn((64, 128), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    packed, state = bf.quantize_4bit(w, quant_type="nf4", compress_statistics=True, blocksize=64)
+    packed.quant_state = state
+
+    class Base:
+        weight = packed
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(speed, "dequantize_in_graph", lambda *a: "graph")
+    monkeypatch.delenv("TUNELEDGER_DEQUANT", raising=False)
+    got = speed._dequantize(*speed.base_weight_inputs(Base))
+    assert isinstance(got, torch.Tensor) and torch.equal(got, bf.dequantize_4bit(packed, state))
+    monkeypatch.setenv("TUNELEDGER_DEQUANT", "graph")
+    assert speed._dequantize(*speed.base_weight_inputs(Base)) == "graph"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", [pytest.param(False, id="dense"), pytest.param(True, id="nf4", marks=pytest.mark.skipif(
     not _has_bnb(), reason="needs bitsandbytes"))])
