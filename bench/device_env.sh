@@ -3,6 +3,14 @@
 # into /tmp/site, `$TL` and the synthetic Qwen2.5-7B at `$MODEL` (written once per machine by
 # `synth_model LOG`).
 # What it carries is built here by bench/make_carry.sh (.whl, .usite, .carry).
+# DEVICE_ENV=0: a CPU smoke of a script's plumbing here (MODEL=/tmp/tiny CONFIG=configs/tiny.yaml
+# FLAGS=--cpu): the tree's own src, `$TL` on `$PY`, no wheels, no synthetic model.
+if [ "${DEVICE_ENV:-1}" != 1 ]; then
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  TL=${TL:-${PY:-python3} -m tuneledger}
+  synth_model() { :; }
+  return 0
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD/src

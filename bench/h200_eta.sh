@@ -32,13 +32,7 @@ DRYRUN_FLAGS=${DRYRUN_FLAGS:---no-fit-check}   # D needs ~69 GiB: the 24 GB proo
 DEADLINE=${DEADLINE:-540}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ "${DEVICE_ENV:-1}" = 1 ]; then
-  source bench/device_env.sh       # environment, carried wheels, $TL, $MODEL, synth_model
-else
-  export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-  TL=${TL:-python3 -m tuneledger}
-  synth_model() { :; }
-fi
+source bench/device_env.sh   # environment, carried wheels (or DEVICE_ENV=0: a CPU smoke), $TL, $MODEL, synth_model
 t0=$(date +%s)
 LOG=$OUT/machine.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }

@@ -20,13 +20,7 @@ EXTRA=${EXTRA:-}
 FLAGS=${FLAGS:---nproc 1}
 DEADLINE=${DEADLINE:-560}
 mkdir -p "$OUT" /tmp/logs
-if [ "${DEVICE_ENV:-1}" = 1 ]; then
-  source bench/device_env.sh
-else
-  export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-  TL="${PY:-python3} -m tuneledger"
-  synth_model() { :; }
-fi
+source bench/device_env.sh   # environment, carried wheels (or DEVICE_ENV=0: a CPU smoke), $TL, $MODEL, synth_model
 t0=$(date +%s)
 LOG=$OUT/machine.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }

@@ -21,14 +21,7 @@ DATASET=${DATASET:-$([ -f .carry/alpaca_fieldlen.json ] && echo .carry/alpaca_fi
 CAP=${CAP:-150}                   # s for one dry-run (compile runs get 80 more): the device call's 10 minutes
 FLAGS=${FLAGS:-}
 mkdir -p "$OUT" /tmp/logs
-if [ "${DEVICE_ENV:-1}" = 1 ]; then
-  source bench/device_env.sh
-  export PYTHONPATH=$PYTHONPATH:$PWD/.usite   # bitsandbytes (cuda130 only) from the Unsloth folder
-else  # CPU smoke of the plumbing: DEVICE_ENV=0 MODEL=/tmp/tiny CONFIG=configs/tiny.yaml FLAGS=--cpu
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-  TL=${TL:-python3 -m tuneledger}
-  synth_model() { :; }
-fi
+source bench/device_env.sh   # environment, carried wheels (or DEVICE_ENV=0: a CPU smoke), $TL, $MODEL, synth_model
 t0=$(date +%s)
 LOG=/tmp/logs/machine.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }

@@ -19,13 +19,7 @@ CONFIG=${CONFIG:-configs/qwen2.5-7b-qlora.yaml}
 DATASET=${DATASET:-$([ -f .carry/alpaca_fieldlen.json ] && echo .carry/alpaca_fieldlen.json)}
 FLAGS=${FLAGS:---nproc 1}
 mkdir -p "$OUT"
-if [ "${DEVICE_ENV:-1}" = 1 ]; then
-  source bench/device_env.sh
-else
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-  TL=${TL:-python3 -m tuneledger}
-  synth_model() { :; }
-fi
+source bench/device_env.sh   # environment, carried wheels (or DEVICE_ENV=0: a CPU smoke), $TL, $MODEL, synth_model
 t0=$(date +%s)
 LOG=$OUT/machine.log
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
