@@ -217,7 +217,8 @@ def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> An
     `position_ids` restarting at 0 per sample and no attention mask, so no sample attends to
     another: varlen kernels (`attention` flash_attention_2 or speed.VARLEN) take the sample bounds
     from the collator (`cu_seq_lens_q`, `max_length_q`: no device sync to find them); SDPA and
-    flex derive them from position_ids.
+    flex derive them from position_ids. Padded micro-batches are padded to their longest sample, or
+    to a multiple of compiled.GRAPH_PAD_MULTIPLE tokens when the compiled layers replay CUDA graphs.
     """
     if cfg.packing:
         from transformers import DataCollatorWithFlattening
@@ -228,7 +229,10 @@ def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> An
                                           return_flash_attn_kwargs=attention in ("flash_attention_2", VARLEN))
     from transformers import DataCollatorForSeq2Seq
 
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    from tuneledger.compiled import GRAPH_PAD_MULTIPLE, cuda_graphs
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100,
+                                  pad_to_multiple_of=GRAPH_PAD_MULTIPLE if cuda_graphs() else None)
 
 
 def loader_workers(requested: int, say: bool = False) -> int:
