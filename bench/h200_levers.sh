@@ -81,17 +81,16 @@ for r in $RUNS; do
     plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
     compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
-    graph) o="$AUTO";; # CUDA graphs: the compiled layers in mode reduce-overhead, padded to a multiple of 64 (host-bound C)
     cpp) o="$AUTO";;   # inductor's C++ wrapper for the compiled layers: less Python per launch (host-bound C)
     gcout) o="$AUTO";; # A/B: transformers' checkpoint around the compiled layers, as before compiled.checkpoint_inside
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
     pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|graph|cpp|gcout|prefer|graphdq|pack>, unsloth, hf)"; continue;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp|gcout|prefer|graphdq|pack>, unsloth, hf)"; continue;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"; [ "${r:1}" = cpp ] && e="TORCHINDUCTOR_CPP_WRAPPER=1"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
-  [ "${r:1}" = graphdq ] && e="TUNELEDGER_DEQUANT=graph"; [ "${r:1}" = graph ] && e="TUNELEDGER_COMPILE_MODE=reduce-overhead"
+  [ "${r:1}" = graphdq ] && e="TUNELEDGER_DEQUANT=graph"
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
   cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps
   [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))

@@ -51,39 +51,3 @@ def test_packed_equals_padded_per_sample(tiny_model, qwen_tokenizer):
     mean_pad = model(**padded).loss
     mean_pack = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], labels=packed["labels"]).loss
     assert torch.allclose(mean_pad, mean_pack, atol=1e-5)
-
-
-def test_cuda_graph_mode_pads_to_a_few_shapes_and_compiles_with_it(tiny_model, qwen_tokenizer, monkeypatch):
-    """TUNELEDGER_COMPILE_MODE=reduce-overhead (make bench's *graph rows): micro-batches padded to a
-    multiple of GRAPH_PAD_MULTIPLE, each decoder layer compiled in that mode, the ledger says so."""
-    from tuneledger import compiled
-
-    convs = [[{"role": "user", "content": "q " * n}, {"role": "assistant", "content": "a"}] for n in (3, 40, 70)]
-    feats = [{k: v for k, v in encode(c, qwen_tokenizer, 4096).items() if k in ("input_ids", "labels")} for c in convs]
-    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "packing": False})
-    longest = max(len(f["input_ids"]) for f in feats)
-    assert longest % compiled.GRAPH_PAD_MULTIPLE  # else the padding below would prove nothing
-    assert make_collator(cfg, qwen_tokenizer)([dict(f) for f in feats])["input_ids"].shape[1] == longest
-
-    monkeypatch.setenv("TUNELEDGER_COMPILE_MODE", "reduce-overhead")
-    batch = make_collator(cfg, qwen_tokenizer)([dict(f) for f in feats])
-    n = batch["input_ids"].shape[1]
-    assert n % compiled.GRAPH_PAD_MULTIPLE == 0 and longest < n < longest + compiled.GRAPH_PAD_MULTIPLE
-    assert (batch["labels"][:, longest:] == -100).all() and (batch["attention_mask"][:, longest:] == 0).all()
-
-    class Layer(torch.nn.Module):
-        def compile(self, **kw):  # noqa: A003 - nn.Module.compile's name
-            self.kw = kw
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Layer(), Layer()])
-
-    m = Model()
-    line = compiled.compile_layers(m, True, "cuda", fused=True, quantized=False)
-    assert all(layer.kw == {"dynamic": None, "mode": "reduce-overhead"} for layer in m.layers)
-    assert "CUDA graphs, padded to a multiple of 64" in line
-    monkeypatch.delenv("TUNELEDGER_COMPILE_MODE")
-    compiled.compile_layers(m, True, "cuda", fused=True, quantized=False)
-    assert all(layer.kw == {"dynamic": None, "mode": None} for layer in m.layers)

@@ -75,12 +75,10 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     for layer in layers:
         if checkpoint:
             checkpoint_inside(layer)
-        layer.compile(dynamic=None, mode="reduce-overhead" if cuda_graphs() else None)
+        layer.compile(dynamic=None)
     import torch._inductor.config as inductor_config
 
     wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
-    if cuda_graphs():
-        wrapper += f", CUDA graphs, padded to a multiple of {GRAPH_PAD_MULTIPLE}"
     inside = ""
     if checkpoint:
         inside = ", checkpointing inside" + (", partitioner's choice" if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"
@@ -89,19 +87,6 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     if quantized:
         dequant = ", NF4 dequantized in the graph" if dequant_in_graph() else ", bitsandbytes' dequantize ops"
     return f"on ({len(layers)} decoder layers, regional{wrapper}{dequant}{inside})"
-
-
-# A CUDA graph is recorded once per shape: padding each micro-batch's length to a multiple of this
-# keeps the recordings (and their memory) to a few per run, at under GRAPH_PAD_MULTIPLE pad tokens a row.
-GRAPH_PAD_MULTIPLE = 64
-
-
-def cuda_graphs() -> bool:
-    """Whether the compiled layers replay CUDA graphs (torch.compile's mode="reduce-overhead": one
-    graph launch per layer's forward and backward instead of its kernels, for host-bound presets):
-    only with TUNELEDGER_COMPILE_MODE=reduce-overhead (make bench's *graph rows), not measured yet.
-    Padded micro-batches are then padded to a multiple of GRAPH_PAD_MULTIPLE tokens (make_collator)."""
-    return os.environ.get("TUNELEDGER_COMPILE_MODE", "") == "reduce-overhead"
 
 
 def dequant_in_graph() -> bool:

@@ -217,8 +217,7 @@ def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> An
     `position_ids` restarting at 0 per sample and no attention mask, so no sample attends to
     another: varlen kernels (`attention` flash_attention_2 or speed.VARLEN) take the sample bounds
     from the collator (`cu_seq_lens_q`, `max_length_q`: no device sync to find them); SDPA and
-    flex derive them from position_ids. Padded micro-batches are padded to their longest sample, or
-    to a multiple of compiled.GRAPH_PAD_MULTIPLE tokens when the compiled layers replay CUDA graphs.
+    flex derive them from position_ids.
     """
     if cfg.packing:
         from transformers import DataCollatorWithFlattening
@@ -229,10 +228,7 @@ def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> An
                                           return_flash_attn_kwargs=attention in ("flash_attention_2", VARLEN))
     from transformers import DataCollatorForSeq2Seq
 
-    from tuneledger.compiled import GRAPH_PAD_MULTIPLE, cuda_graphs
-
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100,
-                                  pad_to_multiple_of=GRAPH_PAD_MULTIPLE if cuda_graphs() else None)
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
 def loader_workers(requested: int, say: bool = False) -> int:
