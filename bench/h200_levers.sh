@@ -52,6 +52,7 @@ JOB="$CONFIG model_name_or_path=$MODEL ${DATASET:+dataset=$DATASET} cache_dir=/t
 PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false torch_compile=false lora_dropout=0"
 AUTO="lora_dropout=0"
 table=()
+declare -A seen
 DATA=""
 peer() {  # $1: unsloth | hf; the peers train on the tokenized cache this call's first dry-run made (the same records)
   [ -n "$DATA" ] && [ -d "$DATA" ] || { stamp "$1: no tokenized cache from a dry-run of this call yet (list a dry-run first)"; return; }
@@ -94,14 +95,16 @@ for r in $RUNS; do
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
   cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps
   [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
-  rm -rf "/tmp/run-$r"   # a ledger left by an earlier call must never stand for this one
-  stamp "$r: dryrun --preset $p $o (at most $cap s)"
+  # A run listed again (RUNS="Cauto Ccpp Cauto": A/B/A against the host's drift) is its own row: Cauto-2.
+  n=$r; i=2; while [ -n "${seen[$n]:-}" ]; do n=$r-$i; i=$(( i + 1 )); done; seen[$n]=1
+  rm -rf "/tmp/run-$n"   # a ledger left by an earlier call must never stand for this one
+  stamp "$n: dryrun --preset $p $o (at most $cap s)"
   env $e timeout -k 10 -s INT $cap \
-    $TL dryrun $JOB run_name=$r output_dir=/tmp/run-$r $o --preset $p --nproc 1 --no-fit-check $FLAGS > /tmp/logs/dryrun-$r.log 2>&1
+    $TL dryrun $JOB run_name=$n output_dir=/tmp/run-$n $o --preset $p --nproc 1 --no-fit-check $FLAGS > /tmp/logs/dryrun-$n.log 2>&1
   rc=$?
-  stamp "$r exit $rc: $(grep -E "^preset $p:" /tmp/logs/dryrun-$r.log | head -1 | cut -c1-160)"
-  [ -z "$DATA" ] && DATA=$(sed -n 's/.*(cache \(.*\))$/\1/p' /tmp/logs/dryrun-$r.log | head -1)
-  table+=("$r=/tmp/run-$r")   # a run without its dryrun.json becomes a failed row
+  stamp "$n exit $rc: $(grep -E "^preset $p:" /tmp/logs/dryrun-$n.log | head -1 | cut -c1-160)"
+  [ -z "$DATA" ] && DATA=$(sed -n 's/.*(cache \(.*\))$/\1/p' /tmp/logs/dryrun-$n.log | head -1)
+  table+=("$n=/tmp/run-$n")   # a run without its dryrun.json becomes a failed row
 done
 peers=(); for f in "$OUT/unsloth.json" "$OUT/hf.json"; do [ -f "$f" ] && peers+=("$f"); done
 ${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" ${peers[@]:+--peers "${peers[@]}"} 2>&1 | tee /tmp/logs/bench_table.log
