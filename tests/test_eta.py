@@ -276,3 +276,44 @@ def test_a_compiled_run_is_predicted_with_the_cached_compile():
     assert "cold" not in eta.fmt_parts(cold)
     plain = eta.predict(startup, [5.0, 1.0], [1.0, 1.1, 0.9], 20, 10, 2.0, 3.0, warm_compile_s=2.0)
     assert plain["parts"]["compile_s"] == 0.0 and plain["cold_compile_s"] is None
+
+
+def test_the_finish_includes_the_final_adapter_copy_the_dry_run_timed(tmp_path, monkeypatch):
+    """train copies the final adapter to the run's root after its last save (publish_final); the
+    dry-run times that copy on its own checkpoint (checkpoints.time_publish), adds it to the
+    predicted finish, and leaves nothing behind; a failed copy (a full disk) gives None, not a crash."""
+    from tuneledger import checkpoints, dryrun
+    from tuneledger.config_load import load_config
+
+    run = tmp_path / "dryrun" / "D"
+    ckpt = run / "checkpoint-25"
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_model.safetensors").write_bytes(b"\0" * (4 << 20))
+    (ckpt / "adapter_config.json").write_text("{}")
+    (ckpt / "optimizer.pt").write_bytes(b"\0" * 1024)  # training-only: train does not publish it
+    assert checkpoints.time_publish(tmp_path / "none") is None
+    s = checkpoints.time_publish(run)
+    assert s is not None and s > 0
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-25"]  # the scratch copy is gone
+    assert len(list(ckpt.iterdir())) == 3
+
+    def full(ck, out):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "publish_final", full)
+    assert checkpoints.time_publish(run) is None and not (run / ".publish-probe").exists()
+
+    seen = {}
+    monkeypatch.setattr(dryrun.eta_, "worker_parts", lambda r, a, b: {
+        "launch_s": 1.0, "model_load_s": 1.0, "setup_s": 0.5, "save_s": [2.0], "finish_s": 1.25,
+        "durations": [1.0, 1.0, 1.0, 1.0]})
+    monkeypatch.setattr(dryrun.eta_, "predict", lambda *a, **k: seen.update(finish=a[6]))
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "dryrun_warmup_steps": 1})
+    stats = {"steps_per_epoch": 10, "records": {"valid": 160}}
+    monkeypatch.setattr(dryrun.ledger, "total_steps", lambda st, c: 30)
+    result = {"launcher": {"t_launch": 0.0, "t_exit": 9.0, "publish_s": 0.75}, "model": {"levers": {}}}
+    dryrun.predict(cfg, result, stats, {})
+    assert seen["finish"] == 2.0
+    result["launcher"]["publish_s"] = None  # no checkpoint, or the copy failed: the finish as measured
+    dryrun.predict(cfg, result, stats, {})
+    assert seen["finish"] == 1.25

@@ -38,7 +38,7 @@ def test_warm_compile_is_measured_from_the_cache_and_leaves_no_gradients(tmp_pat
     for b in batches:  # the dry-run's own steps: the cold compile, which fills the cache
         trainer.compute_loss(model, b).backward()
     got = time_warm_compile(trainer)
-    assert got["micro_batches"] == 3
+    assert got["micro_batches"] == 3 and got["forgot"][:2] == ["dynamo", "PyCodeCache"]
     assert got["first_pass_s"] > got["second_pass_s"] > 0
     assert got["compile_s"] == pytest.approx(got["first_pass_s"] - got["second_pass_s"])
     assert all(p.grad is None for p in model.parameters())  # no gradient leaks into the run after it
@@ -46,3 +46,19 @@ def test_warm_compile_is_measured_from_the_cache_and_leaves_no_gradients(tmp_pat
 
 def test_no_batches_no_figure():
     assert time_warm_compile(_Trainer(torch.nn.Linear(2, 2), [])) is None
+
+
+def test_forget_compiled_code_drops_the_loaded_modules():
+    """The probe must load the compiled code again as a new process would: inductor's loaded
+    modules go (the dict this torch keeps them in), not only dynamo's frames."""
+    from torch._inductor.codecache import PyCodeCache
+
+    from tuneledger.probes import forget_compiled_code
+
+    loaded = getattr(PyCodeCache, "modules", None)
+    if not isinstance(loaded, dict):
+        loaded = PyCodeCache.cache  # torch 2.5: the same dict under its older name
+    loaded["sentinel-key"] = object()
+    cleared = forget_compiled_code()
+    assert cleared[:2] == ["dynamo", "PyCodeCache"]
+    assert "sentinel-key" not in loaded

@@ -26,6 +26,7 @@ from typing import Any
 
 from tuneledger import eta as eta_
 from tuneledger import ledger
+from tuneledger.checkpoints import time_publish
 from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
@@ -110,7 +111,7 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     t_exit = time.time()
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
     if result is not None:
-        result["launcher"] = {"t_launch": t_launch, "t_exit": t_exit}
+        result["launcher"] = {"t_launch": t_launch, "t_exit": t_exit, "publish_s": time_publish(run_dir)}
     # The checkpoint was written only to be timed and weighed; its size is in the result.
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -146,7 +147,8 @@ def verdict(row: dict, rows: list[dict], nproc: int, cpu: bool = False) -> dict:
 def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
     """The whole train command's ETA (eta.predict) from this preset's dry-run: `startup` holds the
     parts this process measured (python_start_s, preflight_s, data_s), the worker's timeline the
-    rest. eval_s is measured when evaluation is configured (0 otherwise)."""
+    rest; the finish adds the final adapter's copy (checkpoints.time_publish). eval_s is measured when
+    evaluation is configured (0 otherwise)."""
     w = cfg.dryrun_warmup_steps
     launcher = result["launcher"]
     parts = eta_.worker_parts(result, launcher["t_launch"], launcher["t_exit"])
@@ -159,7 +161,7 @@ def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
     eval_s = ledger.evaluations(steps, cfg, stats["steps_per_epoch"]) * timing["s_per_record"] * timing["eval_records"] \
         if timing else 0.0
     return eta_.predict(measured, parts["durations"][:w], parts["durations"][w:], steps,
-                        cfg.save_steps, save_s, parts["finish_s"], eval_s=eval_s,
+                        cfg.save_steps, save_s, parts["finish_s"] + (launcher.get("publish_s") or 0.0), eval_s=eval_s,
                         measured=[k for k in eta_.PARTS if k != "eval_s" or timing], compiled=ledger.compiled(result["model"]),
                         warm_compile_s=(result.get("warm_compile") or {}).get("compile_s"))
 

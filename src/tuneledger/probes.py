@@ -244,22 +244,43 @@ def replay_order(trainer: LedgerTrainer, ds: Any, total_steps: int, steps_per_ep
     return positions
 
 
+def forget_compiled_code() -> list[str]:
+    """Drop what this process holds of its compiled code, so the next call loads it from inductor's
+    on-disk cache as a new process (the train) does: dynamo's frames and guards
+    (torch._dynamo.reset()), and inductor's loaded wrapper modules and Triton kernels, which a
+    reset alone keeps (PyCodeCache, CompiledTritonKernels). With only the reset, the probe predicted
+    7.2-12.3 s of compile on one H200 where `train` then took 11.2-14.2 (three ETA calls, the
+    latest bench/results/h200-2026-12-04/call9-etaD), short in each. Returns the caches cleared
+    (those this torch has)."""
+    from torch import _dynamo
+
+    _dynamo.reset()
+    cleared = ["dynamo"]
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.codecache as codecache
+
+    for owner, name in ((codecache, "PyCodeCache"), (async_compile, "CompiledTritonKernels")):
+        cache = getattr(owner, name, None)
+        if cache is not None and callable(getattr(cache, "cache_clear", None)):
+            cache.cache_clear()
+            cleared.append(name)
+    return cleared
+
+
 def time_warm_compile(trainer: LedgerTrainer, micro_batches: int = 3) -> dict | None:
     """What compiling costs a train that runs after this dry-run (s): the train finds this run's
     kernels in inductor's cache (launch puts it under cache_dir), so it traces and loads, but
     does not generate or build them again (preset D on an H200: 14 s against the dry-run's 27 s,
     bench/results/h200-2026-12-01-session3).
 
-    Measured, not guessed: the compiled code is dropped (torch._dynamo.reset(); the on-disk cache
-    stays) and the dry-run's first `micro_batches` micro-batches run forward and backward twice
+    Measured, not guessed: the compiled code is dropped (forget_compiled_code: dynamo's and
+    inductor's in-memory copies; the on-disk cache stays) and the dry-run's first `micro_batches` micro-batches run forward and backward twice
     (varying in shape, as the run's first steps, which compiled once per shape and then with dynamic
     shapes). The first pass pays the warm compile, the second none: compile_s is their difference.
     Gradients are zeroed afterwards and no optimizer step is taken. Returns {"compile_s",
-    "first_pass_s", "second_pass_s", "micro_batches"}, or None when the run has no batches.
+    "first_pass_s", "second_pass_s", "micro_batches", "forgot": the caches dropped}, or None when the run has no batches.
     """
     from contextlib import nullcontext
-
-    from torch import _dynamo
 
     model = trainer.model_wrapped
     batches = []
@@ -284,9 +305,9 @@ def time_warm_compile(trainer: LedgerTrainer, micro_batches: int = 3) -> dict | 
         return time.perf_counter() - t
 
     model.train()
-    _dynamo.reset()
+    forgot = forget_compiled_code()
     first = one_pass()
     second = one_pass()
     model.zero_grad(set_to_none=True)
     return {"compile_s": max(0.0, first - second), "first_pass_s": first, "second_pass_s": second,
-            "micro_batches": len(batches)}
+            "micro_batches": len(batches), "forgot": forgot}
