@@ -307,13 +307,27 @@ def test_the_finish_includes_the_final_adapter_copy_the_dry_run_timed(tmp_path, 
     monkeypatch.setattr(dryrun.eta_, "worker_parts", lambda r, a, b: {
         "launch_s": 1.0, "model_load_s": 1.0, "setup_s": 0.5, "save_s": [2.0], "finish_s": 1.25,
         "durations": [1.0, 1.0, 1.0, 1.0]})
-    monkeypatch.setattr(dryrun.eta_, "predict", lambda *a, **k: seen.update(finish=a[6]))
+    monkeypatch.setattr(dryrun.eta_, "predict", lambda *a, **k: seen.update(finish=a[6], save=a[5]))
     cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "dryrun_warmup_steps": 1})
     stats = {"steps_per_epoch": 10, "records": {"valid": 160}}
     monkeypatch.setattr(dryrun.ledger, "total_steps", lambda st, c: 30)
     result = {"launcher": {"t_launch": 0.0, "t_exit": 9.0, "publish_s": 0.75}, "model": {"levers": {}}}
     dryrun.predict(cfg, result, stats, {})
-    assert seen["finish"] == 2.0
+    assert seen["finish"] == 2.0 and seen["save"] == 2.0
     result["launcher"]["publish_s"] = None  # no checkpoint, or the copy failed: the finish as measured
     dryrun.predict(cfg, result, stats, {})
     assert seen["finish"] == 1.25
+    # train's loss plot: the cold draw once (the finish), a later one per save
+    result["plot_timing"] = {"first_s": 1.0, "next_s": 0.25}
+    dryrun.predict(cfg, result, stats, {})
+    assert seen["finish"] == 2.25 and seen["save"] == 2.25
+
+
+def test_the_loss_plot_a_train_draws_is_timed_and_leaves_no_file(tmp_path):
+    from tuneledger.trainer import time_loss_plot
+
+    png = tmp_path / ".probe.png"
+    got = time_loss_plot(png, 1738)
+    assert got["points"] == 1738 and got["first_s"] > 0 and got["next_s"] > 0
+    assert not png.exists()
+    assert time_loss_plot(png, 0)["points"] == 1  # a run shorter than logging_steps still draws once

@@ -147,13 +147,17 @@ def verdict(row: dict, rows: list[dict], nproc: int, cpu: bool = False) -> dict:
 def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
     """The whole train command's ETA (eta.predict) from this preset's dry-run: `startup` holds the
     parts this process measured (python_start_s, preflight_s, data_s), the worker's timeline the
-    rest; the finish adds the final adapter's copy (checkpoints.time_publish). eval_s is measured when
-    evaluation is configured (0 otherwise)."""
+    rest; the finish adds the final adapter's copy (checkpoints.time_publish) and the first loss
+    plot, each save a later plot (trainer.time_loss_plot). eval_s is measured when evaluation is
+    configured (0 otherwise)."""
     w = cfg.dryrun_warmup_steps
     launcher = result["launcher"]
     parts = eta_.worker_parts(result, launcher["t_launch"], launcher["t_exit"])
     measured = {**startup, **{k: parts[k] for k in ("launch_s", "model_load_s", "setup_s")}}
-    save_s = parts["save_s"][0] if parts["save_s"] else 0.0
+    # train redraws its loss plot at every save and at the end (trainer.time_loss_plot): a later
+    # draw per save, the first (matplotlib's import) in the finish.
+    plot = result.get("plot_timing") or {}
+    save_s = (parts["save_s"][0] if parts["save_s"] else 0.0) + plot.get("next_s", 0.0)
     steps = ledger.total_steps(stats, cfg)
     # The run's evaluations: how many it makes x one evaluation (seconds per eval record, measured
     # on a sample in the dry-run, x every eval record).
@@ -161,7 +165,8 @@ def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
     eval_s = ledger.evaluations(steps, cfg, stats["steps_per_epoch"]) * timing["s_per_record"] * timing["eval_records"] \
         if timing else 0.0
     return eta_.predict(measured, parts["durations"][:w], parts["durations"][w:], steps,
-                        cfg.save_steps, save_s, parts["finish_s"] + (launcher.get("publish_s") or 0.0), eval_s=eval_s,
+                        cfg.save_steps, save_s, parts["finish_s"] + (launcher.get("publish_s") or 0.0) + plot.get("first_s", 0.0),
+                        eval_s=eval_s,
                         measured=[k for k in eta_.PARTS if k != "eval_s" or timing], compiled=ledger.compiled(result["model"]),
                         warm_compile_s=(result.get("warm_compile") or {}).get("compile_s"))
 
@@ -181,6 +186,8 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int, startup: dict |
         "gradient_checkpointing": cfg.gradient_checkpointing, "packing": cfg.packing,
         **s, "mfu": u, "peak_tflops_measured": peak,
         "save_s": save_s, "checkpoint_bytes": result["checkpoint_bytes"], "eta": e,
+        # What only a train does, timed here for its ETA (predict): the final adapter's copy, the loss plot.
+        "publish_s": (result.get("launcher") or {}).get("publish_s"), "plot_timing": result.get("plot_timing"),
         "train_loss": result["train_loss"], "model": model, "allreduce": result.get("allreduce") or {},
         "report_to": result.get("report_to"),  # what was written, not what was asked
         "alloc_retries": max((r.get("alloc_retries") or 0) for r in result["ranks"]),

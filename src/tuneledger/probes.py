@@ -274,7 +274,8 @@ def time_warm_compile(trainer: LedgerTrainer, micro_batches: int = 3) -> dict | 
     bench/results/h200-2026-12-01-session3).
 
     Measured, not guessed: the compiled code is dropped (forget_compiled_code: dynamo's and
-    inductor's in-memory copies; the on-disk cache stays) and the dry-run's first `micro_batches` micro-batches run forward and backward twice
+    inductor's in-memory copies; the on-disk cache stays), the CUDA allocator's cache emptied (a
+    train starts with none), and the dry-run's first `micro_batches` micro-batches run forward and backward twice
     (varying in shape, as the run's first steps, which compiled once per shape and then with dynamic
     shapes). The first pass pays the warm compile, the second none: compile_s is their difference.
     Gradients are zeroed afterwards and no optimizer step is taken. Returns {"compile_s",
@@ -306,6 +307,8 @@ def time_warm_compile(trainer: LedgerTrainer, micro_batches: int = 3) -> dict | 
 
     model.train()
     forgot = forget_compiled_code()
+    if cuda:  # a train starts with an empty allocator: its first steps pay the cudaMalloc calls too
+        torch.cuda.empty_cache()
     first = one_pass()
     second = one_pass()
     model.zero_grad(set_to_none=True)

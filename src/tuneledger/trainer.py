@@ -210,6 +210,27 @@ class PlotLoss(TrainerCallback):
         self.draw(state)
 
 
+def time_loss_plot(png: Path, points: int) -> dict:
+    """Seconds that PlotLoss's drawing costs a train (rank 0, plot_loss on): it draws at every save
+    and at the end, the first time importing matplotlib. The dry-run times two draws of a history
+    of `points` logged steps (the train's steps / logging_steps, at most 10,000) into `png`, removed
+    after: {"first_s": the cold draw, "next_s": a later one}. Before this the ETA left the draws
+    out: on one H200 the train's last save took 2.4 s and trainer.train() returned 1.6 s after it
+    (bench/results/h200-2026-12-04/call11-eta)."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(is_world_process_zero=True,
+                            log_history=[{"step": i + 1, "loss": 2.0 / (1 + i / 50)} for i in range(max(1, min(points, 10_000)))])
+    plot = PlotLoss(png, "ETA probe")
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        plot.draw(state)
+        times.append(time.perf_counter() - t0)
+    png.unlink(missing_ok=True)
+    return {"first_s": times[0], "next_s": times[1], "points": len(state.log_history)}
+
+
 def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> Any:
     """Padded micro-batches (DataCollatorForSeq2Seq), or padding-free packing of whole samples.
 

@@ -35,7 +35,7 @@ from tuneledger.nodes import check_same_nodes, host_name
 from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,
                                time_warm_compile)
 from tuneledger.progress import LogLine, StepProgress
-from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, make_collator, training_args
+from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, make_collator, time_loss_plot, training_args
 
 
 def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
@@ -202,6 +202,8 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     t_bench = time.perf_counter()
     allreduce = bench_allreduce(grad_bytes, device) if mode == "dryrun" else {}
     peak = bench_matmul_tflops(device) if mode == "dryrun" and rank == 0 else None
+    plot_timing = time_loss_plot(out_dir / ".eta-probe-loss.png", job.get("total_steps", 0) // max(1, cfg.logging_steps)) \
+        if mode == "dryrun" and rank == 0 and cfg.plot_loss else None
     ckpt = last_checkpoint(out_dir)
     ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) if ckpt else 0
     if mode == "dryrun":
@@ -225,6 +227,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         "eval_records": len(eval_ds) if eval_ds is not None else 0, "eval": evals, "eval_timing": eval_timing,
         "best_checkpoint": best[0] if best else None, "best_eval_loss": best[1] if best else None,
         "saves": timer.saves, "timeline": timeline, "positions": positions, "warm_compile": warm_compile,
+        "plot_timing": plot_timing,
     }
 
 
