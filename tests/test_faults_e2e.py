@@ -160,6 +160,9 @@ def sigterm_mid_run(tmp_path, tiny_model, data, run: Path, *extra: str) -> Path:
     step = int(ckpts[0].name.split("-")[1])
     assert 1 <= step < 40 and [h["step"] for h in logged(ckpts[0])] == list(range(1, step + 1))
     assert (run / "run.lock").read_text() == ""  # released
+    # The run's root holds the stopped run's newest adapter, and says it is not the end of training.
+    final = json.loads((run / "tuneledger_final.json").read_text())
+    assert final["checkpoint"] == ckpts[0].name and final["finished"] is False
     return ckpts[0]
 
 
@@ -171,6 +174,8 @@ def test_sigterm_saves_and_exits_0_and_a_second_run_is_refused(tmp_path, tiny_mo
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from {ckpts[0]}" in resumed.stdout
     assert [h["step"] for h in logged(run / f"checkpoint-{step + 1}")] == list(range(1, step + 2))
+    final = json.loads((run / "tuneledger_final.json").read_text())
+    assert (final["checkpoint"], final["step"], final["finished"]) == (f"checkpoint-{step + 1}", step + 1, True)
 
 
 def test_kill_9_of_the_launcher_leaves_a_log_and_no_orphan_ranks(tmp_path, tiny_model, data):

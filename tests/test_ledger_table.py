@@ -114,3 +114,52 @@ def test_what_a_longer_dry_run_would_tell_about_a_tie():
     # already apart by 2 standard errors over the steps measured, yet inside the spread
     a, b = row("A", 100.0, 0.070, 0.090, steps=400, sd=0.002), row("B", 103.0, 0.068, 0.088, steps=400, sd=0.002)
     assert "already differ by 2 standard errors over these 400 steps" in ledger.separation(a, b, "A", "B")
+
+
+def _run(world: int, last_micro_s: float) -> dict:
+    """A worker result of 4 steps x 2 micro-batches per rank, the last micro-batch `last_micro_s`."""
+    steps, t = [], 0.0
+    for i in range(4):
+        micro = [1.0, last_micro_s]
+        steps.append({"t_begin": t, "t_end": t + sum(micro) + 0.1, "wall_begin": 1000.0 + t, "wall_end": 1000.0 + t + sum(micro) + 0.1,
+                      "micro_s": micro, "optimizer_s": 0.1, "data_wait_s": 0.0})
+        t += sum(micro) + 0.1
+    rank = {"rank": 0, "steps": steps, "cum_tokens": [100, 200, 300, 400], "gpu_name": "cpu",
+            "peak_allocated_mib": None, "peak_reserved_mib": None, "step_losses": [1.0] * 4}
+    return {"world_size": world, "ranks": [dict(rank, rank=r) for r in range(world)], "saves": [],
+            "allreduce": {"median_s": 0.2} if world > 1 else {}}
+
+
+def test_one_rank_has_no_sync_wait_and_two_ranks_do():
+    """What the last (synchronising) micro-batch takes beyond the others is the all-reduce and the
+    wait for a slower rank on 2 ranks; on one rank there is neither, and it stays in other_s (a
+    `tune --nproc 1` pick was called communication-bound on 22% of 'sync wait')."""
+    from tuneledger.ledger import summarize_run
+
+    one = summarize_run(_run(1, 1.5), 1)["split"]
+    assert one["allreduce_s"] == 0.0 and one["sync_wait_s"] == 0.0
+    assert one["other_s"] == pytest.approx(0.5)
+    two = summarize_run(_run(2, 1.5), 1)["split"]
+    assert two["allreduce_s"] == pytest.approx(0.2) and two["sync_wait_s"] == pytest.approx(0.3)
+    assert two["other_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_preset_whose_own_settings_were_overridden_is_starred(tiny_model):
+    """A `tune` candidate between the presets runs as `--preset A` with overrides: its row must not
+    read as preset A. D's micro-batch cap (global / world) is D's own, not an override."""
+    from tuneledger.config_load import load_config
+    from tuneledger.dryrun import preset_overrides
+    from tuneledger.dryrun_report import label, override_lines
+
+    base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "global_batch_size": 4}
+    a = load_config(None, {**base, "preset": "A"})
+    assert preset_overrides(a, 1) == {}
+    packed = load_config(None, {**base, "preset": "A", "packing": True})
+    assert preset_overrides(packed, 1) == {"packing": True}
+    from tuneledger.config import resolve
+
+    d = resolve(load_config(None, {**base, "preset": "D"}), 1)  # 8 capped at 4 / 1, as the dry-run runs it
+    assert d.per_device_train_batch_size == 4 and preset_overrides(d, 1) == {}
+    row = {"preset": "A", "preset_overrides": {"packing": True}}
+    assert label(row) == "A*" and label({"preset": "B", "preset_overrides": {}}) == "B"
+    assert override_lines([row]) == ["* A: packing=True (the preset's own settings overridden)"]

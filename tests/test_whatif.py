@@ -175,6 +175,16 @@ def test_an_unknown_gpu_lists_the_known_ones_and_the_yaml_form():
     assert "bf16_tflops:" in r.stderr and "count:" in r.stderr
 
 
+@pytest.mark.parametrize("spec, guess", [("8x4090", "8x4090-pcie"), ("8xRTX4090", "8x4090-pcie"), ("4xa100", "4xA100-80g-nvlink"),
+                                         ("2xh200", "2xH200-sxm"), ("8x5090", None)])
+def test_a_near_miss_gpu_name_gets_a_guess(spec, guess):
+    from tuneledger.hwtable import WhatifError, parse_gpus
+
+    with pytest.raises(WhatifError) as e:
+        parse_gpus(spec)
+    assert (f"Did you mean {guess}?" in str(e.value)) if guess else "Did you mean" not in str(e.value)
+
+
 def test_a_bad_yaml_and_a_bad_ledger_are_named(tmp_path):
     bad = tmp_path / "my.yaml"
     bad.write_text("name: x\ngpu: y\ncount: 2\nbf16_tflops: fast\n")

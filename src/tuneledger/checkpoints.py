@@ -174,7 +174,7 @@ TRAINING_ONLY = ("optimizer.pt", "scheduler.pt", "trainer_state.json", "training
 FINAL = "tuneledger_final.json"  # which checkpoint the adapter at the run's root came from
 
 
-def publish_final(ckpt: Path, out_dir: Path) -> list[str]:
+def publish_final(ckpt: Path, out_dir: Path, finished: bool | None = None) -> list[str]:
     """Put the final adapter and tokenizer at the run's root, where LLaMA-Factory leaves them
     (`output_dir/adapter_model.safetensors`, ...), so tools that follow LF's layout find them.
     Each file is copied to a temporary name and renamed, so a reader sees the old file or the new
@@ -192,6 +192,8 @@ def publish_final(ckpt: Path, out_dir: Path) -> list[str]:
         os.replace(tmp, out_dir / f.name)
         names.append(f.name)
     final = {"checkpoint": ckpt.name, "step": step_of(ckpt), "files": names}
+    if finished is not None:  # False: a stopped run's newest adapter, not the end of training
+        final["finished"] = finished
     (out_dir / (FINAL + ".tmp")).write_text(json.dumps(final, indent=1))
     os.replace(out_dir / (FINAL + ".tmp"), out_dir / FINAL)
     return names

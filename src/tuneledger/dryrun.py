@@ -27,7 +27,7 @@ from typing import Any
 from tuneledger import eta as eta_
 from tuneledger import ledger
 from tuneledger.checkpoints import time_publish
-from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, resolve
+from tuneledger.config import DDP_PRESETS, PRESETS, ConfigError, JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
 from tuneledger.launch import BeforeRanks, StoppedBeforeStart, processes, run_workers, used_gpus
@@ -172,6 +172,16 @@ def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
 
 
 
+def preset_overrides(cfg: JobConfig, world: int) -> dict:
+    """The preset's own settings (PRESETS: micro-batch, checkpointing, packing) that key=value
+    overrides changed, {key: the value run}: such a row is not the preset the name says (a `tune`
+    candidate between the presets runs as one). D's micro-batch cap at global / world is D's own."""
+    own = {k: v for k, v in PRESETS.get(cfg.preset or "", {}).items() if k != "fsdp"}
+    if cfg.preset == "D":
+        own["per_device_train_batch_size"] = min(own["per_device_train_batch_size"], max(1, cfg.global_batch_size // world))
+    return {k: getattr(cfg, k) for k, v in own.items() if getattr(cfg, k) != v}
+
+
 def entry(cfg: JobConfig, result: dict, stats: dict, world: int, startup: dict | None = None) -> dict:
     """One preset's ledger row from its worker result."""
     s = ledger.summarize_run(result, cfg.dryrun_warmup_steps)
@@ -181,7 +191,7 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int, startup: dict |
     peak = result.get("peak_tflops")
     u = ledger.mfu(s["tokens_per_s"], model["matmul_params"], cfg.gradient_checkpointing, world, peak * 1e12 if peak else None)
     return {
-        "preset": cfg.preset, "micro_batch": cfg.per_device_train_batch_size,
+        "preset": cfg.preset, "preset_overrides": preset_overrides(cfg, world), "micro_batch": cfg.per_device_train_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "gradient_checkpointing": cfg.gradient_checkpointing, "packing": cfg.packing,
         **s, "mfu": u, "peak_tflops_measured": peak,

@@ -51,7 +51,7 @@ def markdown(led: dict) -> str:
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
         mem = peak_mib(r)
         lines.append(
-            f"| {r['preset']} | {r['micro_batch']} x {r['gradient_accumulation_steps']} | {'on' if r['gradient_checkpointing'] else 'off'} "
+            f"| {label(r)} | {r['micro_batch']} x {r['gradient_accumulation_steps']} | {'on' if r['gradient_checkpointing'] else 'off'} "
             f"| {'on' if r['packing'] else 'off'} | {r['s_per_step']:.3f} (p10-p90 {r['step_spread']['p10']:.3f}-{r['step_spread']['p90']:.3f}) "
             f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {_pct(r['mfu'])} | {mem} "
             f"| {r.get('fits_24gb_note', '-')} | {r['save_s']:.1f} | {r['checkpoint_bytes'] / 1e9:.2f} | {eta_.fmt_eta(r['eta'])} |")
@@ -59,6 +59,7 @@ def markdown(led: dict) -> str:
         if "skipped" in r:
             lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
     # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py).
+    lines += [f"\n{x}" for x in override_lines(rows)]
     lines += [""] + common_lines("- levers", {r["preset"]: r["model"].get("levers") or {} for r in rows})
     lines += eta_markdown(rows)
     fit = [r for r in rows if r.get("per_gpu_peak")]
@@ -178,6 +179,17 @@ def peak_mib(r: dict) -> str:
     return f"{gpu:,}" if gpu else f"{rss:,} RSS" if rss else "-"
 
 
+def label(r: dict) -> str:
+    """A row's preset, starred when key=value overrides changed the preset's own settings."""
+    return r["preset"] + ("*" if r.get("preset_overrides") else "")
+
+
+def override_lines(rows: list[dict]) -> list[str]:
+    """`* A: per_device_train_batch_size=2, packing=True overridden`: what a starred preset ran."""
+    return [f"* {r['preset']}: {', '.join(f'{k}={v}' for k, v in r['preset_overrides'].items())} (the preset's own "
+            "settings overridden)" for r in rows if r.get("preset_overrides")]
+
+
 def table(led: dict) -> Any:
     """The terminal ledger: a rich Table that fits 100 columns. dryrun.md has every column;
     this one leaves out tokens/s per GPU, save time and the spreads, and shortens the 24 GB note."""
@@ -192,7 +204,7 @@ def table(led: dict) -> Any:
     rows = sorted([r for r in led["presets"] if "s_per_step" in r], key=lambda r: -r["tokens_per_s"])
     for i, r in enumerate(rows, 1):
         mem = peak_mib(r)
-        t.add_row(str(i), r["preset"], f"{r['micro_batch']} x {r['gradient_accumulation_steps']}",
+        t.add_row(str(i), label(r), f"{r['micro_batch']} x {r['gradient_accumulation_steps']}",
                   "on" if r["gradient_checkpointing"] else "off", "on" if r["packing"] else "off",
                   f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}" if r["mfu"] else "-",
                   mem, _fits(r), fmt_h(r["eta"]["total_s"]))
@@ -212,6 +224,8 @@ def print_table(led: dict) -> None:
     for r in led["presets"]:
         if "skipped" in r:
             print(f"preset {r['preset']} skipped: {r['skipped']}")
+    for line in override_lines(rows):
+        print(line)
     if rows:
         r = rows[0]
         print(f"total steps {r['eta']['total_steps']:,} ({plural(r['eta']['checkpoints'], 'checkpoint')} of {r['checkpoint_bytes'] / 1e9:.2f} GB); "

@@ -116,14 +116,16 @@ def summarize_run(result: dict, warmup: int) -> dict:
                   "holds any wait for a slower rank (sync wait not separable)")
     n_micro = len(steady[0]["micro_s"])
     sync_extra = max(0.0, _mean(sync) - fwd_bwd)
+    single = world == 1  # one rank: nothing is all-reduced and no rank waits for another
     parts = {
         "forward_backward_per_micro_s": fwd_bwd,
         "micro_batches_per_step": n_micro,
         "forward_backward_s": fwd_bwd * n_micro,
-        "allreduce_s": min(ar_s, sync_extra) if no_sync else ar_s,
+        "allreduce_s": 0.0 if single else min(ar_s, sync_extra) if no_sync else ar_s,
         # With accumulation 1 every micro-batch synchronises: the wait for a slower rank cannot be
-        # told apart from forward+backward, so it is unknown (None), not zero.
-        "sync_wait_s": max(0.0, sync_extra - ar_s) if no_sync else None,
+        # told apart from forward+backward, so it is unknown (None), not zero. On one rank what the
+        # last micro-batch takes beyond the others is no wait: it stays in other_s.
+        "sync_wait_s": 0.0 if single else max(0.0, sync_extra - ar_s) if no_sync else None,
         "optimizer_s": _mean(opt),
     }
     parts["data_wait_s"] = _mean([s["data_wait_s"] for s in steady])

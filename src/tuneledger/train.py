@@ -115,7 +115,7 @@ def pick_checkpoint(cfg: JobConfig, rename_damaged: bool = True) -> tuple[str | 
         else:
             kept = ["left for node 0 to rename"] * len(bad)
         lines = "\n  ".join(f"{p.name}: {why} -> {k}" for (p, why), k in zip(bad, kept))
-        print(f"WARNING: {plural(len(bad), 'checkpoint')} in {out} {'does' if len(bad) == 1 else 'do'} not verify and are skipped (not deleted):\n  {lines}",
+        print(f"WARNING: {plural(len(bad), 'checkpoint')} in {out} {'does not verify and is' if len(bad) == 1 else 'do not verify and are'} skipped (not deleted):\n  {lines}",
               file=sys.stderr, flush=True)
     return (str(good) if good else None), None
 
@@ -284,7 +284,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
               "report_to: none", file=sys.stderr)
     if stopped.get("reason") == "signal":
         if result.get("checkpoint"):  # the run's root always holds its newest adapter, as `export RUN` reads it
-            publish_final(Path(result["checkpoint"]), out)
+            publish_final(Path(result["checkpoint"]), out, finished=False)
         # The signal this command got (Ctrl-C is SIGINT), not the SIGTERM it passed on to the ranks.
         print(f"stopped by {outcome.get('signal') or stopped['signal']} after step {stopped['step']}: saved {result['checkpoint']}. "
               "The same command resumes from it.")
@@ -292,7 +292,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     print(f"done: {result['global_step']} steps; {loss_text(result)}; last checkpoint "
           f"{result['checkpoint']}{' (resumed from ' + result['resumed_from'] + ')' if result['resumed_from'] else ''}")
     if result.get("checkpoint"):
-        publish_final(Path(result["checkpoint"]), out)
+        publish_final(Path(result["checkpoint"]), out, finished=True)
         print(f"final adapter and tokenizer also at {out}/ (LLaMA-Factory's layout: adapter_model.safetensors, "
               f"adapter_config.json; {FINAL} names the checkpoint)")
     if result.get("eval"):
