@@ -95,7 +95,7 @@ def test_train_checkpoints_crashes_and_resumes_at_the_right_step(tmp_path, tiny_
     assert result["train_loss"] == pytest.approx(sum(losses) / len(losses))  # not skewed by the resume
     # One loss printed, the right one: not transformers' train_loss beside ours (issue 10, item 7).
     assert "train_loss" not in resumed.stdout and "last None" not in resumed.stdout
-    assert f"loss {result['train_loss']:.4f} (mean over its 4 steps), last {losses[-1]:.4f} at step 4" in resumed.stdout
+    assert f"loss {result['train_loss']:.4f} (mean over the run's 4 steps), last {losses[-1]:.4f} at step 4" in resumed.stdout
 
     again = tl("train", *args, "--nproc", "2", "--cpu")  # a finished run is left as it is
     assert again.returncode == 0 and "is already trained" in again.stdout

@@ -198,7 +198,7 @@ def test_train_prints_one_loss():
     from tuneledger.train import loss_text
 
     assert loss_text({"train_loss": 2.5, "last_logged_loss": 1.25, "last_logged_step": 17, "global_step": 17,
-                      "loss_steps_covered": 15}) == "loss 2.5000 (mean over the 15 logged of its 17 steps), last 1.2500 at step 17"
+                      "loss_steps_covered": 15}) == "loss 2.5000 (mean over the 15 logged of the run's 17 steps), last 1.2500 at step 17"
     assert loss_text({"train_loss": None, "global_step": 3}) == "no loss was logged"
 
 

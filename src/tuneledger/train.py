@@ -312,7 +312,7 @@ def loss_text(result: dict) -> str:
     if result.get("train_loss") is None:
         return "no loss was logged"
     covered, steps = result.get("loss_steps_covered"), result["global_step"]
-    over = f"its {steps} steps" if covered in (None, steps) else f"the {covered} logged of its {steps} steps"
+    over = f"the run's {steps} steps" if covered in (None, steps) else f"the {covered} logged of the run's {steps} steps"
     return (f"loss {result['train_loss']:.4f} (mean over {over}), last {result['last_logged_loss']:.4f} "
             f"at step {result.get('last_logged_step', steps)}")
 
