@@ -213,6 +213,8 @@ def test_a_preset_that_does_not_fit_names_the_one_that_would(tmp_path):
     assert r.returncode == 2
     assert "preset C does not fit 8 x NVIDIA GeForce RTX 4090: 28.0 GiB per GPU against 23 GiB usable" in r.stdout
     assert "would fit" in r.stdout and "DOES NOT FIT" in r.stdout
+    # the fastest that fits is borderline (D, 23.0 of 23 GiB): the fastest with memory to spare is named too
+    assert "preset D would fit (23.0 GiB, 1.309 s/step, borderline); with room: preset A (9.7 GiB, 1.386 s/step)" in r.stdout
     assert json.loads(out.read_text())["predictions"][0]["fits"] is False
     r = tuneledger(str(SCALING / "dryrun-1gpu.json"), "--gpus", "8x4090-pcie", "--preset", "A", "--steps", "17377",
                    "--save-steps", "200")

@@ -249,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
             alt = (f"preset {fitting[0]['preset']} would fit ({_g(fitting[0]['memory']['total'])} GiB, "
                    f"{fitting[0]['s_per_step']:.3f} s/step{', borderline' if borderline(fitting[0]) else ''})"
                    if fitting else "no measured preset fits")
+            roomy = [f for f in fitting if not borderline(f)]
+            if fitting and borderline(fitting[0]) and roomy:  # the fastest with memory to spare, too
+                alt += f"; with room: preset {roomy[0]['preset']} ({_g(roomy[0]['memory']['total'])} GiB, {roomy[0]['s_per_step']:.3f} s/step)"
             print(f"preset {p['preset']} does not fit {n} x {hw.gpu}: {_g(p['memory']['total'])} GiB per GPU against "
                   f"{hw.usable_gib:g} GiB usable; {alt}")
     if any(not p["fits"] for p in wanted):
