@@ -148,7 +148,7 @@ def test_a_preset_whose_own_settings_were_overridden_is_starred(tiny_model):
     """A `tune` candidate between the presets runs as `--preset A` with overrides: its row must not
     read as preset A. D's micro-batch cap (global / world) is D's own, not an override."""
     from tuneledger.config_load import load_config
-    from tuneledger.dryrun import preset_overrides
+    from tuneledger.config import preset_overrides
     from tuneledger.dryrun_report import label, override_lines
 
     base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "global_batch_size": 4}

@@ -309,3 +309,13 @@ def describe(cfg: JobConfig, world_size: int) -> str:
         f"{'QLoRA 4-bit ' + cfg.quantization_type.upper() if cfg.quantization_bit else 'LoRA on an unquantized base'}"
         f"{'; FSDP2: the base sharded over ' + str(world_size) + ' rank' + ('s' if world_size != 1 else '') if cfg.sharded else ''}"
     )
+
+
+def preset_overrides(cfg: JobConfig, world: int) -> dict:
+    """The preset's own settings (PRESETS: micro-batch, checkpointing, packing) that key=value
+    overrides changed, {key: the value run}: such a row is not the preset the name says (a `tune`
+    candidate between the presets runs as one). D's micro-batch cap at global / world is D's own."""
+    own = {k: v for k, v in PRESETS.get(cfg.preset or "", {}).items() if k != "fsdp"}
+    if cfg.preset == "D":
+        own["per_device_train_batch_size"] = min(own["per_device_train_batch_size"], max(1, cfg.global_batch_size // world))
+    return {k: getattr(cfg, k) for k, v in own.items() if getattr(cfg, k) != v}

@@ -27,7 +27,7 @@ from typing import Any
 from tuneledger import eta as eta_
 from tuneledger import ledger
 from tuneledger.checkpoints import time_publish
-from tuneledger.config import DDP_PRESETS, PRESETS, ConfigError, JobConfig, describe, resolve
+from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, preset_overrides, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
 from tuneledger.launch import BeforeRanks, StoppedBeforeStart, processes, run_workers, used_gpus
@@ -170,16 +170,6 @@ def predict(cfg: JobConfig, result: dict, stats: dict, startup: dict) -> dict:
                         measured=[k for k in eta_.PARTS if k != "eval_s" or timing], compiled=ledger.compiled(result["model"]),
                         warm_compile_s=(result.get("warm_compile") or {}).get("compile_s"))
 
-
-
-def preset_overrides(cfg: JobConfig, world: int) -> dict:
-    """The preset's own settings (PRESETS: micro-batch, checkpointing, packing) that key=value
-    overrides changed, {key: the value run}: such a row is not the preset the name says (a `tune`
-    candidate between the presets runs as one). D's micro-batch cap at global / world is D's own."""
-    own = {k: v for k, v in PRESETS.get(cfg.preset or "", {}).items() if k != "fsdp"}
-    if cfg.preset == "D":
-        own["per_device_train_batch_size"] = min(own["per_device_train_batch_size"], max(1, cfg.global_batch_size // world))
-    return {k: getattr(cfg, k) for k, v in own.items() if getattr(cfg, k) != v}
 
 
 def entry(cfg: JobConfig, result: dict, stats: dict, world: int, startup: dict | None = None) -> dict:
