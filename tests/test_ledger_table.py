@@ -160,6 +160,8 @@ def test_a_preset_whose_own_settings_were_overridden_is_starred(tiny_model):
 
     d = resolve(load_config(None, {**base, "preset": "D"}), 1)  # 8 capped at 4 / 1, as the dry-run runs it
     assert d.per_device_train_batch_size == 4 and preset_overrides(d, 1) == {}
+    d24 = resolve(load_config(None, {**base, "preset": "D", "global_batch_size": 24}), 2)  # 12 per rank: 6 divides it
+    assert d24.per_device_train_batch_size == 6 and preset_overrides(d24, 2) == {}
     row = {"preset": "A", "preset_overrides": {"packing": True}}
     assert label(row) == "A*" and label({"preset": "B", "preset_overrides": {}}) == "B"
     assert override_lines([row]) == ["* A: packing=True (the preset's own settings overridden)"]

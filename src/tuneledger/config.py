@@ -278,6 +278,14 @@ class JobConfig(BaseModel):
 FIELDS = set(JobConfig.model_fields)
 
 
+def d_micro_batch(wanted: int, global_batch: int, world_size: int) -> int:
+    """Preset D's micro-batch: the largest up to `wanted` that the global batch per rank allows
+    and divides (so the accumulation stays whole), at least 1."""
+    per_rank = global_batch // world_size
+    fits = [m for m in range(min(wanted, per_rank), 0, -1) if per_rank % m == 0]
+    return fits[0] if fits else 1
+
+
 def resolve(cfg: JobConfig, world_size: int) -> JobConfig:
     """Fix the world-size-dependent numbers: the global batch of a config that gives only the
     accumulation (LLaMA-Factory's way), preset D's micro-batch cap, and the accumulation.
@@ -291,9 +299,7 @@ def resolve(cfg: JobConfig, world_size: int) -> JobConfig:
         # D is "the largest micro-batch that fits": 8 fit an H200, but never more than the global
         # batch allows, so 8 GPUs at global 16 run micro-batch 2 rather than changing the recipe;
         # and one that divides it (global 24 on 2 GPUs: 6), so accumulation stays whole.
-        per_rank = cfg.global_batch_size // world_size
-        fits = [m for m in range(min(cfg.per_device_train_batch_size, per_rank), 0, -1) if per_rank % m == 0]
-        cfg.per_device_train_batch_size = fits[0] if fits else 1
+        cfg.per_device_train_batch_size = d_micro_batch(cfg.per_device_train_batch_size, cfg.global_batch_size, world_size)
     cfg.gradient_accumulation_steps = cfg.accumulation(world_size)
     return cfg
 
@@ -314,8 +320,8 @@ def describe(cfg: JobConfig, world_size: int) -> str:
 def preset_overrides(cfg: JobConfig, world: int) -> dict:
     """The preset's own settings (PRESETS: micro-batch, checkpointing, packing) that key=value
     overrides changed, {key: the value run}: such a row is not the preset the name says (a `tune`
-    candidate between the presets runs as one). D's micro-batch cap at global / world is D's own."""
+    candidate between the presets runs as one). D's micro-batch cap (d_micro_batch) is D's own."""
     own = {k: v for k, v in PRESETS.get(cfg.preset or "", {}).items() if k != "fsdp"}
     if cfg.preset == "D":
-        own["per_device_train_batch_size"] = min(own["per_device_train_batch_size"], max(1, cfg.global_batch_size // world))
+        own["per_device_train_batch_size"] = d_micro_batch(own["per_device_train_batch_size"], cfg.global_batch_size, world)
     return {k: getattr(cfg, k) for k, v in own.items() if getattr(cfg, k) != v}

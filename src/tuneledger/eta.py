@@ -26,9 +26,10 @@ Parts, in seconds, in the order the command spends them (PARTS):
     steps_s         every other step: their count x the median s/step of the measured steps
     saves_s         checkpoints (every save_steps, and the final one) x the measured save time
     eval_s          evaluation; 0 while no evaluation is configured (the hook for it)
-    finish_s        after the final save until the command returns (result gather, teardown, and
-                    the final adapter copied to the run's root, which the dry-run times by
-                    copying its own checkpoint's: checkpoints.time_publish)
+    finish_s        after the final save until the command returns (result gather, teardown, the
+                    final adapter copied to the run's root and the first loss-plot draw, which the
+                    dry-run times itself: checkpoints.time_publish, trainer.time_loss_plot; the
+                    later draws, one per save, are in saves_s)
 
 The measured steps are real steps of the run, drawn from evenly spaced positions of its own data
 order (see `step_positions`), so their median is the typical step of the whole run; one-off stalls

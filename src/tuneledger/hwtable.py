@@ -147,13 +147,12 @@ def known_line() -> str:
             f"or a YAML file of your own:\n{YAML_FORM}")
 
 
-def did_you_mean(spec: str, table: dict[str, Hardware]) -> str:
+def did_you_mean(count: str, kind: str, table: dict[str, Hardware]) -> str:
     """' Did you mean 8x4090-pcie?' for a kind that a known one starts with or nearly spells
-    (8x4090, 8xrtx4090), else ''."""
+    (8x4090, 8xrtx4090), else ''. `count` and `kind` as parse_gpus split them."""
     import difflib
 
-    m = re.fullmatch(r"(\d+)\s*[xX]\s*(.+)", spec.strip())
-    count, kind = (m.group(1), m.group(2).lower()) if m else ("1", spec.strip().lower())
+    kind = kind.lower()
     names = {h.name.lower(): h.name for h in table.values()}
     near = [n for n in names if n.startswith(kind) or kind.replace("rtx", "").startswith(n.split("-")[0])]
     near = near or difflib.get_close_matches(kind, list(names), n=1, cutoff=0.6)
@@ -169,7 +168,8 @@ def parse_gpus(spec: str) -> tuple[Hardware, int]:
     m = re.fullmatch(r"(\d+)\s*[xX]\s*(.+)", spec.strip())
     table = builtin()
     if not m or m.group(2).lower() not in table:
-        raise WhatifError(f"--gpus {spec!r}: unknown GPU set.{did_you_mean(spec, table)} {known_line()}")
+        guess = did_you_mean(m.group(1), m.group(2), table) if m else did_you_mean("1", spec.strip(), table)
+        raise WhatifError(f"--gpus {spec!r}: unknown GPU set.{guess} {known_line()}")
     count = int(m.group(1))
     if count < 1:
         raise WhatifError(f"--gpus {spec!r}: the count must be at least 1")
