@@ -82,18 +82,18 @@ for r in $RUNS; do
     plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
     compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
-    cpp) o="$AUTO";;   # inductor's C++ wrapper for the compiled layers: less Python per launch (host-bound C)
+    cpp) o="$AUTO compile_cpp_wrapper=true";;   # inductor's C++ wrapper for the compiled layers: less Python per launch
     gcout) o="$AUTO";; # A/B: transformers' checkpoint around the compiled layers, as before compiled.checkpoint_inside
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
     pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
     *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|cpp|gcout|prefer|graphdq|pack>, unsloth, hf)"; continue;;
   esac
-  e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"; [ "${r:1}" = cpp ] && e="TORCHINDUCTOR_CPP_WRAPPER=1"
+  e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
   [ "${r:1}" = graphdq ] && e="TUNELEDGER_DEQUANT=graph"
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
-  cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps
+  cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *cpp) cap=$(( CAP + 160 ));; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps (C++: 104 s cold)
   [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
   # A run listed again (RUNS="Cauto Ccpp Cauto": A/B/A against the host's drift) is its own row: Cauto-2.
   n=$r; i=2; while [ -n "${seen[$n]:-}" ]; do n=$r-$i; i=$(( i + 1 )); done; seen[$n]=1

@@ -196,6 +196,32 @@ def test_compile_is_auto_and_refuses_the_unsafe_4bit_path(tiny_model):
         speed.check_levers(cfg, "cuda")
 
 
+def test_cpp_wrapper_is_a_key_the_ledger_names_and_refused_without_compile(tiny_model):
+    """compile_cpp_wrapper turns on inductor's C++ wrapper for the compiled layers and the levers
+    line says so; with nothing compiled it says the key did nothing; with torch_compile: false the
+    preflight refuses it, naming both keys."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch import _dynamo
+
+    model, _ = _lora_model(tiny_model, True)
+    # compile_layers sets these globally (nothing compiles here): each patch gives them back after
+    with inductor_config.patch(cpp_wrapper=False), functorch_config.patch(cse=functorch_config.cse), \
+            _dynamo.config.patch(optimize_ddp=_dynamo.config.optimize_ddp):
+        assert "nothing compiled to wrap" in compiled.compile_layers(model, None, "cpu", fused=True, quantized=False,
+                                                                     cpp_wrapper=True)
+        assert compiled.compile_layers(model, False, "cuda", fused=True, quantized=False, cpp_wrapper=True) == \
+            "off (compile_cpp_wrapper: nothing compiled to wrap)"
+        assert inductor_config.cpp_wrapper is False
+        line = compiled.compile_layers(model, True, "cpu", fused=True, quantized=False, cpp_wrapper=True)
+        assert "C++ wrapper" in line and inductor_config.cpp_wrapper is True
+    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "torch_compile": False,
+                             "compile_cpp_wrapper": True})
+    with pytest.raises(ValueError, match="compile_cpp_wrapper: true needs the compiled layers.*torch_compile is false"):
+        speed.check_levers(cfg, "cuda")
+    assert load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]}).compile_cpp_wrapper is False
+
+
 def _has_bnb() -> bool:
     try:
         import bitsandbytes  # noqa: F401
@@ -317,6 +343,27 @@ def test_compiled_fused_projection_has_eager_gradients(tiny_model, quant):
     assert abs(l0 - l1) < (1e-2 if quant else 1e-5) * abs(l0), (l0, l1)
     rel, name = _worst(g0, g1)
     assert rel < (NF4_TOL if quant else 1e-4), (name, rel)
+
+
+@pytest.mark.slow
+def test_cpp_wrapper_compiled_layers_have_eager_gradients(tiny_model):
+    """compile_cpp_wrapper launches the same kernels from C++: loss and gradients equal eager's
+    (dense on 2 CPU cores, inductor's CPU C++ wrapper; the H200's CUDA one was 8.9e-05 from the
+    Python wrapper's loss over 10 steps of preset C: bench/results/h200-2026-12-04/call14-c-cpp)."""
+    import torch._inductor.config as inductor_config
+    from torch import _dynamo
+
+    _dynamo.reset()  # no other test's compiled layers (Python wrapper) reused from dynamo's cache
+    eager = _lora_model(tiny_model, True)[0]
+    wrapped = _lora_model(tiny_model, True)[0]
+    with inductor_config.patch(cpp_wrapper=False):  # given back after: other tests compile with Python's
+        assert "C++ wrapper" in compiled.compile_layers(wrapped, True, DEVICE, fused=True, quantized=False,
+                                                        cpp_wrapper=True)
+        (l0, g0), (l1, g1) = _grads(eager, IDS), _grads(wrapped, IDS)
+    _dynamo.reset()
+    assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < 1e-4, (name, rel)
 
 
 @pytest.mark.slow

@@ -34,16 +34,17 @@ def compile_planned(wanted: bool | None, device_type: str) -> bool:
 
 
 def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: bool, quantized: bool,
-                   checkpoint: bool = False) -> str:
+                   checkpoint: bool = False, cpp_wrapper: bool = False) -> str:
     """torch.compile each decoder layer (regional compilation: the layers share one compiled
     graph, so it compiles once, not 28 times). `wanted`: True, None (auto: on a CUDA GPU with torch
     >= 2.9 where the LoRA projections are fused or the base is dense) or False. Compiling happens
     in the first steps, which the dry-run counts as start-up. Returns the ledger's line; raises
     ValueError for True on a 4-bit model without the fused projection (COMPILE_NEEDS_FUSED).
     With `checkpoint`, the layers' gradient checkpointing moves inside the compiled region
-    (checkpoint_inside)."""
-    if wanted is False:
-        return "off"
+    (checkpoint_inside). With `cpp_wrapper` (compile_cpp_wrapper), inductor launches the compiled
+    kernels from generated C++ instead of Python (TORCHINDUCTOR_CPP_WRAPPER=1 does the same)."""
+    if wanted is False:  # preset F turns compile off this way (sharding.lever_settings)
+        return "off (compile_cpp_wrapper: nothing compiled to wrap)" if cpp_wrapper else "off"
     why = None
     if quantized and not fused:
         if wanted:
@@ -54,7 +55,7 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     elif not _torch_at_least(COMPILE_MIN_TORCH):
         why = f"torch {torch.__version__} < {'.'.join(map(str, COMPILE_MIN_TORCH))}, not measured; torch_compile=true to try"
     if why and not wanted:
-        return f"off ({why})"
+        return f"off ({why}{'; compile_cpp_wrapper: nothing compiled to wrap' if cpp_wrapper else ''})"
     layers = None
     for m in model.modules():
         if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
@@ -78,7 +79,9 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
         layer.compile(dynamic=None)
     import torch._inductor.config as inductor_config
 
-    wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
+    if cpp_wrapper:  # read when a layer first compiles (its first call), so setting it here is in time
+        inductor_config.cpp_wrapper = True
+    wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # or TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
     inside = ""
     if checkpoint:
         inside = ", checkpointing inside" + (", partitioner's choice" if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"

@@ -58,6 +58,9 @@ class JobConfig(BaseModel):
     enable_liger_kernel: bool | None = None  # LLaMA-Factory's key: Liger's fused RMSNorm, RoPE, SwiGLU, linear+CE
     fused_lora: bool | None = None  # base projection + LoRA (and its dropout) in one autograd function
     torch_compile: bool | None = None  # regional torch.compile of the decoder layers; None: auto (compiled.compile_layers)
+    # inductor's C++ wrapper for the compiled layers: less Python per kernel launch. Off by default:
+    # +4.8-9.5% on host-bound C in one H200 call, but a 4x cold compile (104 s) and unmeasured on D (docs/speed.md)
+    compile_cpp_wrapper: bool = False
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

@@ -198,7 +198,8 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     levers["fused_lora"] = _lever(speed.fuse_lora, model, wanted["fused_lora"])
     levers["compile"] = _lever(compiled.compile_layers, model, wanted["torch_compile"], device.type,
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit),
-                               checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted())
+                               checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted(),
+                               cpp_wrapper=cfg.compile_cpp_wrapper)
     levers["lora_dropout"] = cfg.lora_dropout
     if cfg.lora_dropout:
         # What the user weighs it against (measured in make bench's Ddrop row, not in this run).

@@ -360,7 +360,8 @@ def check_levers(cfg: Any, device_type: str) -> str:
 
     Returns the attention line. Raises ValueError naming the key and the fix for an attention
     backend that cannot run here, enable_liger_kernel: true off a GPU or without liger-kernel,
-    and torch_compile: true on a torch without torch.compile's GPU backend."""
+    torch_compile: true on a torch without torch.compile's GPU backend, and compile_cpp_wrapper: true
+    with torch_compile: false."""
     _, attention = pick_attention(cfg.flash_attn, cfg.packing, device_type)
     if cfg.enable_liger_kernel:
         if device_type != "cuda":
@@ -372,4 +373,7 @@ def check_levers(cfg: Any, device_type: str) -> str:
                              "liger-kernel, or set enable_liger_kernel=false") from None
     if cfg.torch_compile and cfg.fused_lora is False and cfg.quantization_bit:
         raise ValueError(COMPILE_NEEDS_FUSED)
+    if cfg.compile_cpp_wrapper and cfg.torch_compile is False:
+        raise ValueError("compile_cpp_wrapper: true needs the compiled layers, but torch_compile is false: unset "
+                         "torch_compile (on where it applies) or set compile_cpp_wrapper=false")
     return attention
