@@ -61,6 +61,9 @@ class JobConfig(BaseModel):
     # inductor's C++ wrapper for the compiled layers: less Python per kernel launch. Off by default:
     # +4.8-9.5% on host-bound C in one H200 call, but a 4x cold compile (104 s) and unmeasured on D (docs/speed.md)
     compile_cpp_wrapper: bool = False
+    # q/k/v and gate/up LoRA projections as one fused projection each (grouped.py): fewer kernel
+    # launches for host-bound presets. Off until measured on a GPU; needs fused_lora and lora_dropout 0
+    grouped_lora: bool = False
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tuneledger import compiled, speed
+from tuneledger import compiled, grouped, speed
 from tuneledger.model_location import PreflightError, hub_offline, locate_model, looks_like_path  # noqa: F401
 from tuneledger.tokenizer_load import fix_end_of_turn, load_tokenizer  # noqa: F401  (tokenizers are the data side's)
 
@@ -147,7 +147,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # bf16 is the GPU's compute type. CPUs without native bf16 (no AVX512-BF16/AMX) emulate it: a
     # bf16 matmul ran at 1.6 GFLOP/s against fp32's 64 on CI's 2-core EPYC, so a CPU run is fp32.
     dtype = torch.bfloat16 if cfg.bf16 and device.type == "cuda" else torch.float32
-    wanted = {k: getattr(cfg, k) for k in ("enable_liger_kernel", "fused_lora", "torch_compile")}
+    wanted = {k: getattr(cfg, k) for k in ("enable_liger_kernel", "fused_lora", "grouped_lora", "torch_compile")}
     if cfg.sharded:  # preset F (sharding.py): FSDP2 needs a newer torch, and some levers are not proven there
         from tuneledger import sharding
 
@@ -196,6 +196,9 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     levers["fused_lora"] = _lever(speed.fuse_lora, model, wanted["fused_lora"])
+    if wanted["grouped_lora"]:  # the ledger line names it only when asked for (default off, not yet measured)
+        levers["grouped_lora"] = _lever(grouped.group_lora, model, True, levers["fused_lora"].startswith("on"),
+                                        cfg.lora_dropout)
     levers["compile"] = _lever(compiled.compile_layers, model, wanted["torch_compile"], device.type,
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit),
                                checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted(),

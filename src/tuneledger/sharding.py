@@ -33,6 +33,7 @@ UNPROVEN = {
     "enable_liger_kernel": "Liger's fused linear cross-entropy reads lm_head's weight directly, which FSDP2 keeps "
                            "sharded outside lm_head's own forward",
     "fused_lora": "the fused projection is measured under DDP only",
+    "grouped_lora": "the grouped projection is measured under DDP only",
     "torch_compile": "regional compile under FSDP2's hooks is not measured yet",
 }
 # Module wrappers that named_parameters() shows and state-dict names do not.

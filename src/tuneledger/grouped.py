@@ -1,0 +1,181 @@
+"""Grouped LoRA projections (`grouped_lora`): the projections that read one input, q/k/v of the
+attention and gate/up of the MLP, run as one fused projection each (GroupedLoraProjection), so a
+layer launches fewer kernels. Why: presets A-C on an H200 are host-bound (preset C: 41,129 kernel
+launches per step, the GPU idle 63% of it; bench/results/h200-2026-12-01-session3/call2/prof),
+and of a decoder layer's ~184 launches per micro-batch 58 are matmuls (aten::mm and addmm), three
+per projection forward and five backward. Grouped, q/k/v take one matmul where they took three for
+the base, the LoRA A and the LoRA B, forward and backward; x's three input gradients are one.
+
+transformers calls q_proj, k_proj and v_proj one after another on the same hidden states. The
+group's first projection computes all of them and keeps the others' outputs for the calls that
+follow with that same tensor (`x is` the one it computed from); a call with any other input, or
+out of order, computes its own (LoraProjection), so the result is always the projection's own.
+
+Exactness: the same arithmetic as LoraProjection per member, in bigger matmuls (a block-diagonal
+LoRA B), so bf16 results differ by rounding only. Dropout is not grouped: the group would draw one
+mask where peft draws one per projection (another random stream), so grouping needs lora_dropout 0.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tuneledger.speed import _dequantize, _fused_forward, base_weight_inputs
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+PER_MEMBER = 9  # A, B, bias, then base_weight_inputs' six tensors (w, absmax, absmax2, code2, offset, code)
+
+
+def _members(flat: tuple, k: int) -> list[tuple]:
+    return [flat[PER_MEMBER * i:PER_MEMBER * (i + 1)] for i in range(k)]
+
+
+def _weights(members: list[tuple], metas: tuple, dt: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor]:
+    """The group's base weight [sum out, in] (dequantized), LoRA A [k r, in] and block-diagonal
+    LoRA B [sum out, k r], in the compute dtype (the base's, or `dt`)."""
+    wd = torch.cat([_dequantize(m[3], *m[4:9], metas[i]) for i, m in enumerate(members)])
+    dt = wd.dtype if dt is None else dt
+    r, k = members[0][0].shape[0], len(members)
+    A = torch.cat([m[0] for m in members]).to(dt)
+    B = torch.cat([F.pad(m[1], (i * r, (k - 1 - i) * r)) for i, m in enumerate(members)]).to(dt)
+    return wd.to(dt), A, B
+
+
+class GroupedLoraProjection(torch.autograd.Function):
+    """Y = x W^T + b + s (x A^T) B^T for k LoRA projections of one input, one matmul per term.
+
+    Shapes: x [T, in]; member i: A_i [r, in], B_i [out_i, r], W_i [out_i, in] (dense or 4-bit),
+    bias_i [out_i] or None. W = cat(W_i) [sum out, in], A = cat(A_i) [k r, in], B = block_diag(B_i)
+    [sum out, k r]: Y [T, sum out] is cat(y_i) of LoraProjection's y_i (no dropout). Backward:
+    dx = dY W + s (dY B) A, dA = s (dY B)^T x split per member, dB_i = s dY_i^T (x A_i^T); W is
+    dequantized again rather than kept, as LoraProjection does. Saved: x and x A^T [T, k r]."""
+
+    @staticmethod
+    def forward(ctx, x, scale, metas, outs, *flat):
+        members = _members(flat, len(metas))
+        wd, A, B = _weights(members, metas)
+        dt = wd.dtype
+        x = x.to(dt)
+        biases = [m[2] for m in members]
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.to(dt) if b is not None else x.new_zeros(o) for b, o in zip(biases, outs)])
+            y = torch.addmm(bias, x, wd.t())
+        else:
+            y = x @ wd.t()
+        a = x @ A.t()
+        y = torch.addmm(y, a, B.t(), alpha=scale)
+        ctx.save_for_backward(x, a, *flat)
+        ctx.metas, ctx.outs, ctx.scale = metas, outs, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, a, *flat = ctx.saved_tensors
+        k, s, dt = len(ctx.metas), ctx.scale, x.dtype
+        members = _members(tuple(flat), k)
+        wd, A, B = _weights(members, ctx.metas, dt)
+        dy = dy.to(dt)
+        dyb = dy @ B
+        dx = torch.addmm((dyb @ A).mul_(s), dy, wd)
+        r = A.shape[0] // k
+        dA = (dyb.t() @ x).mul_(s)  # [k r, in]
+        dB = (dy.t() @ a).mul_(s)  # [sum out, k r]: only the diagonal blocks are B's gradients
+        grads: list[Any] = []
+        off = 0
+        for i, (m, o) in enumerate(zip(members, ctx.outs)):
+            grads += [dA[i * r:(i + 1) * r].to(m[0].dtype), dB[off:off + o, i * r:(i + 1) * r].to(m[1].dtype)]
+            grads += [None] * (PER_MEMBER - 2)
+            off += o
+        return (dx, None, None, None, *grads)
+
+
+class _Group:
+    """The projections of one input (q/k/v or gate/up) and the outputs its first one computed
+    for the others: `x` the input they came from, `pending[i]` member i's output until it is asked."""
+
+    def __init__(self, members: tuple) -> None:
+        self.members = members
+        self.x: torch.Tensor | None = None
+        self.pending: list[torch.Tensor | None] = [None] * len(members)
+
+
+def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    g, i = self._tuneledger_group, self._tuneledger_index
+    shape = x.shape
+    if i > 0:
+        out = g.pending[i]
+        if out is None or g.x is not x:  # called alone, or out of order: its own projection
+            return _fused_forward(self, x)
+        g.pending[i] = None
+        if all(p is None for p in g.pending):
+            g.x = None
+        return out
+    name = self.active_adapters[0]
+    flat: list[Any] = []
+    metas, outs = [], []
+    for m in g.members:
+        base = m.get_base_layer()
+        w, absmax, absmax2, code2, offset, code, meta = base_weight_inputs(base)
+        flat += [m.lora_A[name].weight, m.lora_B[name].weight, getattr(base, "bias", None), w, absmax, absmax2, code2,
+                 offset, code]
+        metas.append(meta)
+        outs.append(m.lora_B[name].weight.shape[0])
+    y = GroupedLoraProjection.apply(x.reshape(-1, shape[-1]), self.scaling[name], tuple(metas), tuple(outs), *flat)
+    parts = [p.reshape(*shape[:-1], p.shape[-1]) for p in y.split(outs, dim=-1)]
+    g.x = x
+    g.pending = [None] + parts[1:]
+    return parts[0]
+
+
+def group_blocker(members: tuple, lora_dropout: float) -> str | None:
+    """Why these LoRA layers (already fused: speed.fuse_lora) cannot run as one group, or None."""
+    if lora_dropout:
+        return "lora_dropout > 0 (a group would draw one dropout mask where peft draws one per projection)"
+    names = {m.active_adapters[0] for m in members}
+    if len(names) != 1:
+        return "the projections' active adapters differ"
+    name = names.pop()
+    if len({m.scaling[name] for m in members}) != 1 or len({m.lora_A[name].weight.shape for m in members}) != 1:
+        return "the projections' LoRA rank or scale differ"
+    if len({type(m.get_base_layer()).__name__ for m in members}) != 1:
+        return "the projections' base layers differ (dense and 4-bit)"
+    return None
+
+
+def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float) -> str:
+    """Run each decoder layer's q/k/v and gate/up LoRA projections as one GroupedLoraProjection
+    each. `wanted`: the config's grouped_lora; `fused`: whether speed.fuse_lora is on (the group
+    stands in for the fused projection). Returns the ledger's line; raises ValueError when wanted
+    and it cannot apply (fused_lora off, lora_dropout > 0, mismatched projections)."""
+    if not wanted:
+        return "off"
+    if not fused:
+        raise ValueError("grouped_lora: true needs the fused LoRA projection (fused_lora unset or true)")
+    from peft.tuners.lora import LoraLayer
+
+    groups = []
+    for parent in model.modules():
+        for names in GROUPS:
+            members = tuple(getattr(parent, n, None) for n in names)
+            if all(isinstance(m, LoraLayer) for m in members):
+                why = group_blocker(members, lora_dropout)
+                if why:
+                    raise ValueError(f"grouped_lora: true cannot apply: {why}. Set grouped_lora=false")
+                groups.append(members)
+    if not groups:
+        raise ValueError("grouped_lora: true, but no q/k/v or gate/up LoRA projections were found (lora_target "
+                         "must cover them). Set grouped_lora=false")
+    for members in groups:
+        g = _Group(members)
+        for i, m in enumerate(members):
+            # Plain attributes, not submodules: a module holding its siblings would loop named_modules()
+            object.__setattr__(m, "_tuneledger_group", g)
+            object.__setattr__(m, "_tuneledger_index", i)
+            m.forward = types.MethodType(_grouped_forward, m)
+    n = sum(len(m) for m in groups)
+    return f"on ({len(groups)} groups of {n} projections: q/k/v and gate/up)"

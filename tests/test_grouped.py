@@ -1,0 +1,159 @@
+"""Grouped LoRA projections (grouped.py) compute what the fused projections compute, one by one:
+the same loss and gradients (dense fp32 to rounding; NF4 within the fused path's own tolerance),
+compiled as eager, with the adapter's tensors and names unchanged. bench/h200_levers.sh runs this
+file on the GPU too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuneledger import compiled, grouped, speed
+from tuneledger.config_load import load_config
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+IDS = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(2))
+NF4_TOL = 3e-2  # as test_speed's: bf16 compute rounds in another order; a wrong term is of order 1
+
+
+def _has_bnb() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _model(tiny_model, group: bool, quant: bool = False, dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch.manual_seed(0)
+    kw: dict = {"dtype": torch.float32}
+    if quant:
+        kw = {"dtype": torch.bfloat16, "device_map": {"": DEVICE}, "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)}
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, **kw)
+    m.config.use_cache = False
+    m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules="all-linear",
+                                     task_type="CAUSAL_LM"))
+    torch.manual_seed(1)
+    for n, p in m.named_parameters():
+        if "lora_B" in n:  # peft starts B at zero, which would hide a wrong B gradient
+            p.data.normal_(0, 0.05)
+    assert speed.fuse_lora(m, True).startswith("on")
+    if group:
+        assert grouped.group_lora(m, True, True, dropout).startswith("on (")
+    return m
+
+
+def _grads(m):
+    m.train()
+    x = IDS.to(next(m.parameters()).device)
+    loss = m(input_ids=x, labels=x).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in m.named_parameters() if p.requires_grad}
+
+
+def _worst(g0: dict, g1: dict) -> tuple[float, str]:
+    assert g0.keys() == g1.keys() and g0
+    return max((((g0[n] - g1[n]).norm() / g0[n].norm()).item(), n) for n in g0)
+
+
+def test_grouped_equals_the_fused_projections(tiny_model, monkeypatch):
+    """q/k/v (with Qwen2's biases) and gate/up grouped: loss and every LoRA gradient as the fused
+    projections give them one by one, and the adapter's names and values unchanged. Every group
+    runs as one (no member falls back to its own projection)."""
+    plain, grp = _model(tiny_model, False), _model(tiny_model, True)
+    assert plain.state_dict().keys() == grp.state_dict().keys()
+    l0, g0 = _grads(plain)
+    calls = {"group": 0, "alone": 0}
+    apply, alone = grouped.GroupedLoraProjection.apply, grouped._fused_forward
+
+    def count(key, fn):
+        def wrapped(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(grouped.GroupedLoraProjection, "apply", count("group", apply))
+    monkeypatch.setattr(grouped, "_fused_forward", count("alone", alone))
+    l1, g1 = _grads(grp)
+    assert calls == {"group": 2 * grp.config.num_hidden_layers, "alone": 0}
+    assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < 1e-4, (name, rel)
+    g = grp.base_model.model.model.layers[0].self_attn.q_proj._tuneledger_group
+    assert g.x is None and g.pending == [None, None, None]  # nothing kept after the group's last member
+
+
+@pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
+def test_grouped_nf4_equals_the_fused_projections(tiny_model):
+    """The same over NF4 bases (double quantization, bf16 compute): each member dequantized with
+    its own quant state."""
+    (l0, g0), (l1, g1) = _grads(_model(tiny_model, False, True)), _grads(_model(tiny_model, True, True))
+    assert abs(l0 - l1) < 1e-2 * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < NF4_TOL, (name, rel)
+
+
+def test_a_member_called_alone_computes_its_own_projection(tiny_model):
+    """k_proj on another input than the one q_proj computed from, or before q_proj: its own output."""
+    grp, plain = _model(tiny_model, True), _model(tiny_model, False)
+    attn_g, attn_p = grp.base_model.model.model.layers[0].self_attn, plain.base_model.model.model.layers[0].self_attn
+    x, other = torch.randn(1, 5, attn_g.q_proj.in_features), torch.randn(1, 5, attn_g.q_proj.in_features)
+    with torch.no_grad():
+        assert torch.allclose(attn_g.k_proj(x), attn_p.k_proj(x), atol=1e-5)  # before q_proj
+        assert torch.allclose(attn_g.q_proj(x), attn_p.q_proj(x), atol=1e-5)
+        assert torch.allclose(attn_g.k_proj(other), attn_p.k_proj(other), atol=1e-5)  # another input
+        assert torch.allclose(attn_g.v_proj(x), attn_p.v_proj(x), atol=1e-5)  # the kept one
+
+
+def test_grouped_lora_is_refused_where_it_would_change_the_result(tiny_model):
+    with pytest.raises(ValueError, match="lora_dropout > 0"):
+        _model(tiny_model, True, dropout=0.05)
+    with pytest.raises(ValueError, match="needs the fused LoRA projection"):
+        grouped.group_lora(_model(tiny_model, False), True, False, 0.0)
+    assert grouped.group_lora(_model(tiny_model, False), False, True, 0.0) == "off"
+
+
+def test_the_ledger_names_grouped_lora_only_when_asked(tiny_model):
+    from tuneledger.model import PreflightError, load_model
+
+    base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4}
+    assert "grouped_lora" not in load_model(load_config(None, base), "cpu")[1]["levers"]
+    model, info = load_model(load_config(None, {**base, "grouped_lora": True}), "cpu")
+    layers = model.config.num_hidden_layers
+    assert info["levers"]["grouped_lora"] == f"on ({2 * layers} groups of {5 * layers} projections: q/k/v and gate/up)"
+    with pytest.raises(PreflightError, match="grouped_lora: true cannot apply: lora_dropout"):
+        load_model(load_config(None, {**base, "grouped_lora": True, "lora_dropout": 0.1}), "cpu")
+
+
+@pytest.mark.slow
+def test_compiled_grouped_layers_have_eager_gradients_and_no_graph_break(tiny_model):
+    """The group keeps its members' outputs on a Python object between calls; traced by dynamo,
+    that must stay inside the layer's graph (no graph break the ungrouped compiled layer does not
+    have: torch 2.5.1 breaks both on a Mapping check of transformers'), add no compile per layer
+    (each layer's group is another object: a guard on it would recompile 28 times) and give
+    eager's gradients."""
+    from torch import _dynamo
+    from torch._dynamo.utils import counters
+
+    def compiled_run(group: bool):
+        _dynamo.reset()
+        counters.clear()
+        m = _model(tiny_model, group)
+        compiled.compile_layers(m, True, DEVICE, fused=True, quantized=False)
+        out = _grads(m)
+        return out, (dict(counters["graph_break"]), counters["stats"]["unique_graphs"])
+
+    l0, g0 = _grads(_model(tiny_model, True))
+    _, ungrouped_breaks = compiled_run(False)
+    (l1, g1), breaks = compiled_run(True)
+    _dynamo.reset()
+    assert breaks == ungrouped_breaks, (breaks, ungrouped_breaks)
+    assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < 1e-4, (name, rel)
