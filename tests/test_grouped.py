@@ -117,6 +117,10 @@ def test_grouped_lora_is_refused_where_it_would_change_the_result(tiny_model):
     with pytest.raises(ValueError, match="needs the fused LoRA projection"):
         grouped.group_lora(_model(tiny_model, False), True, False, 0.0)
     assert grouped.group_lora(_model(tiny_model, False), False, True, 0.0) == "off"
+    m = _model(tiny_model, False)
+    m.base_model.model.model.layers[0].self_attn.k_proj.get_base_layer().bias.requires_grad_(True)
+    with pytest.raises(ValueError, match="a base bias is trained"):
+        grouped.group_lora(m, True, True, 0.0)
 
 
 def test_the_ledger_names_grouped_lora_only_when_asked(tiny_model):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tuneledger.speed import _dequantize, _fused_forward, base_weight_inputs
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-PER_MEMBER = 9  # A, B, bias, then base_weight_inputs' six tensors (w, absmax, absmax2, code2, offset, code)
+PER_MEMBER = 8  # A, B, then base_weight_inputs' six tensors (w, absmax, absmax2, code2, offset, code)
 
 
 def _members(flat: tuple, k: int) -> list[tuple]:
@@ -38,7 +38,7 @@ def _weights(members: list[tuple], metas: tuple, dt: torch.dtype | None = None) 
                                                                                         torch.Tensor]:
     """The group's base weight [sum out, in] (dequantized), LoRA A [k r, in] and block-diagonal
     LoRA B [sum out, k r], in the compute dtype (the base's, or `dt`)."""
-    wd = torch.cat([_dequantize(m[3], *m[4:9], metas[i]) for i, m in enumerate(members)])
+    wd = torch.cat([_dequantize(m[2], *m[3:8], metas[i]) for i, m in enumerate(members)])
     dt = wd.dtype if dt is None else dt
     r, k = members[0][0].shape[0], len(members)
     A = torch.cat([m[0] for m in members]).to(dt)
@@ -49,22 +49,21 @@ def _weights(members: list[tuple], metas: tuple, dt: torch.dtype | None = None) 
 class GroupedLoraProjection(torch.autograd.Function):
     """Y = x W^T + b + s (x A^T) B^T for k LoRA projections of one input, one matmul per term.
 
-    Shapes: x [T, in]; member i: A_i [r, in], B_i [out_i, r], W_i [out_i, in] (dense or 4-bit),
-    bias_i [out_i] or None. W = cat(W_i) [sum out, in], A = cat(A_i) [k r, in], B = block_diag(B_i)
+    Shapes: x [T, in]; member i: A_i [r, in], B_i [out_i, r], W_i [out_i, in] (dense or 4-bit);
+    bias: the members' frozen biases in one [sum out] (zeros where one has none) or None.
+    W = cat(W_i) [sum out, in], A = cat(A_i) [k r, in], B = block_diag(B_i)
     [sum out, k r]: Y [T, sum out] is cat(y_i) of LoraProjection's y_i (no dropout). Backward:
     dx = dY W + s (dY B) A, dA = s (dY B)^T x split per member, dB_i = s dY_i^T (x A_i^T); W is
     dequantized again rather than kept, as LoraProjection does. Saved: x and x A^T [T, k r]."""
 
     @staticmethod
-    def forward(ctx, x, scale, metas, outs, *flat):
+    def forward(ctx, x, bias, scale, metas, outs, *flat):
         members = _members(flat, len(metas))
         wd, A, B = _weights(members, metas)
         dt = wd.dtype
         x = x.to(dt)
-        biases = [m[2] for m in members]
-        if any(b is not None for b in biases):
-            bias = torch.cat([b.to(dt) if b is not None else x.new_zeros(o) for b, o in zip(biases, outs)])
-            y = torch.addmm(bias, x, wd.t())
+        if bias is not None:
+            y = torch.addmm(bias.to(dt), x, wd.t())
         else:
             y = x @ wd.t()
         a = x @ A.t()
@@ -91,15 +90,22 @@ class GroupedLoraProjection(torch.autograd.Function):
             grads += [dA[i * r:(i + 1) * r].to(m[0].dtype), dB[off:off + o, i * r:(i + 1) * r].to(m[1].dtype)]
             grads += [None] * (PER_MEMBER - 2)
             off += o
-        return (dx, None, None, None, *grads)
+        return (dx, None, None, None, None, *grads)
 
 
 class _Group:
     """The projections of one input (q/k/v or gate/up) and the outputs its first one computed
-    for the others: `x` the input they came from, `pending[i]` member i's output until it is asked."""
+    for the others: `x` the input they came from, `pending[i]` member i's output until it is asked.
+    `bias`: the members' frozen biases concatenated once here (a cat per micro-batch saved), or None."""
 
     def __init__(self, members: tuple) -> None:
         self.members = members
+        biases = [getattr(m.get_base_layer(), "bias", None) for m in members]
+        self.bias = None
+        if any(b is not None for b in biases):
+            ref = next(b for b in biases if b is not None)
+            self.bias = torch.cat([b.detach() if b is not None else ref.new_zeros(m.get_base_layer().out_features)
+                                   for b, m in zip(biases, members)])
         self.x: torch.Tensor | None = None
         self.pending: list[torch.Tensor | None] = [None] * len(members)
 
@@ -121,11 +127,10 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     for m in g.members:
         base = m.get_base_layer()
         w, absmax, absmax2, code2, offset, code, meta = base_weight_inputs(base)
-        flat += [m.lora_A[name].weight, m.lora_B[name].weight, getattr(base, "bias", None), w, absmax, absmax2, code2,
-                 offset, code]
+        flat += [m.lora_A[name].weight, m.lora_B[name].weight, w, absmax, absmax2, code2, offset, code]
         metas.append(meta)
         outs.append(m.lora_B[name].weight.shape[0])
-    y = GroupedLoraProjection.apply(x.reshape(-1, shape[-1]), self.scaling[name], tuple(metas), tuple(outs), *flat)
+    y = GroupedLoraProjection.apply(x.reshape(-1, shape[-1]), g.bias, self.scaling[name], tuple(metas), tuple(outs), *flat)
     parts = [p.reshape(*shape[:-1], p.shape[-1]) for p in y.split(outs, dim=-1)]
     g.x = x
     g.pending = [None] + parts[1:]
@@ -142,6 +147,8 @@ def group_blocker(members: tuple, lora_dropout: float) -> str | None:
     name = names.pop()
     if len({m.scaling[name] for m in members}) != 1 or len({m.lora_A[name].weight.shape for m in members}) != 1:
         return "the projections' LoRA rank or scale differ"
+    if any(getattr(getattr(m.get_base_layer(), "bias", None), "requires_grad", False) for m in members):
+        return "a base bias is trained (the group keeps one frozen copy of the biases)"
     if len({type(m.get_base_layer()).__name__ for m in members}) != 1:
         return "the projections' base layers differ (dense and 4-bit)"
     return None
