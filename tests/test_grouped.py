@@ -99,6 +99,20 @@ def test_grouped_nf4_equals_the_fused_projections(tiny_model):
     assert rel < NF4_TOL, (name, rel)
 
 
+def test_grouped_under_eager_checkpointing_recomputes_the_group(tiny_model):
+    """transformers' checkpointing (eager: presets A and B where compile is off) runs the layer's
+    forward again in backward: the group computes again, with the same gradients."""
+    def build(group: bool):
+        m = _model(tiny_model, group)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
+    (l0, g0), (l1, g1) = _grads(build(False)), _grads(build(True))
+    assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < 1e-4, (name, rel)
+
+
 def test_a_member_called_alone_computes_its_own_projection(tiny_model):
     """k_proj on another input than the one q_proj computed from, or before q_proj: its own output."""
     grp, plain = _model(tiny_model, True), _model(tiny_model, False)
@@ -117,6 +131,8 @@ def test_grouped_lora_is_refused_where_it_would_change_the_result(tiny_model):
     with pytest.raises(ValueError, match="needs the fused LoRA projection"):
         grouped.group_lora(_model(tiny_model, False), True, False, 0.0)
     assert grouped.group_lora(_model(tiny_model, False), False, True, 0.0) == "off"
+    with pytest.raises(ValueError, match="gradient checkpointing inside compiled layers"):
+        grouped.group_lora(_model(tiny_model, False), True, True, 0.0, compiled_checkpoint=True)
     m = _model(tiny_model, False)
     m.base_model.model.model.layers[0].self_attn.k_proj.get_base_layer().bias.requires_grad_(True)
     with pytest.raises(ValueError, match="a base bias is trained"):

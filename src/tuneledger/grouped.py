@@ -154,15 +154,23 @@ def group_blocker(members: tuple, lora_dropout: float) -> str | None:
     return None
 
 
-def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float) -> str:
+def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> str:
     """Run each decoder layer's q/k/v and gate/up LoRA projections as one GroupedLoraProjection
     each. `wanted`: the config's grouped_lora; `fused`: whether speed.fuse_lora is on (the group
-    stands in for the fused projection). Returns the ledger's line; raises ValueError when wanted
-    and it cannot apply (fused_lora off, lora_dropout > 0, mismatched projections)."""
+    stands in for the fused projection); `compiled_checkpoint`: whether gradient checkpointing
+    will run inside compiled layers (compiled.checkpoint_inside). Returns the ledger's line;
+    raises ValueError when wanted and it cannot apply (fused_lora off, lora_dropout > 0,
+    checkpointing inside compiled layers, mismatched projections)."""
     if not wanted:
         return "off"
     if not fused:
         raise ValueError("grouped_lora: true needs the fused LoRA projection (fused_lora unset or true)")
+    if compiled_checkpoint:
+        # Measured on CPU (torch 2.5.1): dynamo refuses the group's kept outputs inside the
+        # checkpoint region ("HigherOrderOperator: Mutating a variable not in the current scope").
+        raise ValueError("grouped_lora: true cannot run with gradient checkpointing inside compiled layers (the "
+                         "group keeps its members' outputs between calls, which torch.compile's checkpoint region "
+                         "refuses). Set grouped_lora=false, gradient_checkpointing=false or torch_compile=false")
     from peft.tuners.lora import LoraLayer
 
     groups = []
