@@ -220,6 +220,11 @@ def test_cpp_wrapper_is_a_key_the_ledger_names_and_refused_without_compile(tiny_
     with pytest.raises(ValueError, match="compile_cpp_wrapper: true needs the compiled layers.*torch_compile is false"):
         speed.check_levers(cfg, "cuda")
     assert load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]}).compile_cpp_wrapper is False
+    for bad, says in (({"lora_dropout": 0.05}, "grouped_lora: true needs lora_dropout 0 \\(it is 0.05\\)"),
+                      ({"fused_lora": False}, "grouped_lora: true needs the fused LoRA projection, but fused_lora is false")):
+        cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "grouped_lora": True, **bad})
+        with pytest.raises(ValueError, match=says):
+            speed.check_levers(cfg, "cuda")
 
 
 def _has_bnb() -> bool:

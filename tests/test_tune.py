@@ -154,6 +154,50 @@ def job(tmp_path, tiny_model):
             f"cache_dir={tmp_path / 'cache'}", "max_samples=32", "cutoff_len=128", "global_batch_size=4"]
 
 
+def test_levers_are_key_value_speed_levers_and_make_variants_of_the_pick():
+    assert ts.parse_levers(None) == [] and ts.parse_levers(" ") == []
+    assert ts.parse_levers("grouped_lora=true, torch_compile=false") == [("grouped_lora", "true"), ("torch_compile", "false")]
+    for bad, says in (("grouped_lora", "is not key=value"), ("lora_rank=8", "'lora_rank' is not a speed lever"),
+                      ("grouped_lora=", "is not key=value")):
+        with pytest.raises(ConfigError, match=says):
+            ts.parse_levers(bad)
+    pick = measured(next(c for c in ts.build_space(16, 1, 1024, [2], [False], [False]) if c.key == (2, False, False)),
+                    100, 0.9, 1.1)
+    v = ts.lever_variants(pick, [("grouped_lora", "true"), ("torch_compile", "false")])
+    assert [c.levers for c in v] == [{"grouped_lora": "true"}, {"torch_compile": "false"}]
+    assert all(c.status == "planned" and not c.presets and c.units == pick.units for c in v)
+    assert v[0].overrides()[-1] == "grouped_lora=true" and v[0].short == "mb2-nogc-pad+grouped_lora=true"
+    assert v[0].key != pick.key and v[0].label.endswith(", grouped_lora=true")
+    measured(v[0], 120, 0.9, 1.0)
+    assert "grouped_lora: true" in ts.snippet(v[0], 16, 1, 80.0) and "grouped_lora" not in ts.snippet(pick, 16, 1, 80.0)
+
+
+def test_the_levers_are_tried_on_the_pick_in_what_is_left_of_the_budget(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from tuneledger import tune
+
+    ran = []
+
+    def run_candidate(c, k, items, args, cpu, nproc, tune_dir, cap):
+        ran.append((k, c.short))
+        row = fake_row(c, 10 * 1024)
+        row["tokens_per_s"] = 1e4 if c.levers else row["tokens_per_s"]
+        return row, False, "log"
+
+    monkeypatch.setattr(tune, "run_candidate", run_candidate)
+    args = argparse.Namespace(memory_gib=None)
+    space = ts.build_space(4, 1, 128, [1], [True], [False])
+    info = tune.search(space, [], args, False, 1, tmp_path, None, 80.0)
+    pick = ts.rank(space)["pick"]
+    variants = tune.try_levers(space, [("grouped_lora", "true")], info, [], args, False, 1, tmp_path, None, 80.0)
+    assert ran[-1] == (len(space) + 1, f"{pick.split(' ')[0]}+grouped_lora=true") and variants[0].status == "measured"
+    assert ts.rank(space + variants)["pick"] == variants[0].short  # a faster variant becomes the pick
+    info["elapsed_s"] = 100.0
+    late = tune.try_levers(space, [("grouped_lora", "true")], info, [], args, False, 1, tmp_path, 60.0, 80.0)
+    assert late[0].status == "not measured" and "budget ran out before the levers" in late[0].reason
+
+
 def test_bad_input_exits_2_before_any_run(tmp_path):
     # No model is needed: the command line is checked first.
     base = [str(ROOT / "configs" / "tiny.yaml"), f"output_dir={tmp_path / 'run'}", "global_batch_size=4", "--nproc", "1", "--cpu"]
@@ -161,6 +205,10 @@ def test_bad_input_exits_2_before_any_run(tmp_path):
     assert p.returncode == 2 and "--budget 'abc'" in p.stderr
     p = tl("tune", *base, "--micro-batches", "1,3")
     assert p.returncode == 2 and "3 does not divide global batch 4" in p.stderr
+    p = tl("tune", *base, "--levers", "grouped_lora=maybe")
+    assert p.returncode == 2 and "grouped_lora" in p.stderr, p.stderr
+    p = tl("tune", *base, "lora_dropout=0.05", "--levers", "grouped_lora=true")  # a lever the job cannot run
+    assert p.returncode == 2 and "--levers grouped_lora=true: grouped_lora: true needs lora_dropout 0" in p.stderr, p.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -196,6 +244,31 @@ def test_tune_on_the_cpu_ranks_measured_candidates_and_picks_the_fastest(tmp_pat
     assert "```yaml" in md and "| order | candidate |" in md and "**pick**" in md
     assert p.stdout.count("tune [") >= 12 and "tune [6/6]" in p.stdout and "budget" in p.stdout
     assert (tune / "cand-1" / "dryrun.json").is_file() and (tune / "tune.png").is_file() and led["plot"].endswith("tune.png")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # the four presets and one variant: short dry-runs, about 2 minutes on 2 cores
+def test_levers_measure_the_pick_again_with_each_setting(tmp_path, tiny_model):
+    p = tl("tune", *job(tmp_path, tiny_model), "--micro-batches", "1", "--gc", "on", "--packing", "off", "--nproc", "1",
+           "--cpu", "--levers", "grouped_lora=true", "lora_dropout=0", "dryrun_steps=4", "dryrun_warmup_steps=1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    tune = tmp_path / "run" / "tune"
+    led = json.loads((tune / "tune.json").read_text())
+    space, variant = led["candidates"][:-1], led["candidates"][-1]
+    assert len(space) == 4 and all(c["presets"] and not c["levers"] for c in space)  # A-D only
+    order = [c["short"] for c in space if c["status"] == "measured"]
+    space_pick = max((c for c in space if c["status"] == "measured"), key=lambda c: c["result"]["tokens_per_s"])
+    assert variant["levers"] == {"grouped_lora": "true"} and variant["status"] == "measured", variant
+    # the variant is a pick of the space (the fastest, or one tied with it) with the lever on, and it ran with it
+    assert (variant["micro_batch"], variant["gradient_checkpointing"], variant["packing"]) in {
+        (c["micro_batch"], c["gradient_checkpointing"], c["packing"]) for c in space if c["status"] == "measured"}
+    assert variant["result"]["levers"]["grouped_lora"].startswith("on (")
+    assert "grouped_lora" not in str(space_pick["result"]["levers"])
+    assert (tune / "cand-5" / "dryrun.json").is_file() and "tune [5/5]" in p.stdout
+    assert "with each of grouped_lora=true" in p.stdout and led["levers_tried"] == ["grouped_lora=true"]
+    assert set(led["ranking"]["order"]) == {*order, variant["short"]}
+    assert ("grouped_lora: true" in led["snippet"]) == (led["ranking"]["pick"] == variant["short"])
+    assert "then the pick with each of: grouped_lora=true" in (tune / "tune.md").read_text()
 
 
 def test_preset_f_is_refused_before_any_run(tmp_path):

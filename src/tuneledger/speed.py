@@ -360,8 +360,8 @@ def check_levers(cfg: Any, device_type: str) -> str:
 
     Returns the attention line. Raises ValueError naming the key and the fix for an attention
     backend that cannot run here, enable_liger_kernel: true off a GPU or without liger-kernel,
-    torch_compile: true on a torch without torch.compile's GPU backend, and compile_cpp_wrapper: true
-    with torch_compile: false."""
+    torch_compile: true on a torch without torch.compile's GPU backend, compile_cpp_wrapper: true
+    with torch_compile: false, and grouped_lora: true with lora_dropout > 0 or fused_lora: false."""
     _, attention = pick_attention(cfg.flash_attn, cfg.packing, device_type)
     if cfg.enable_liger_kernel:
         if device_type != "cuda":
@@ -373,6 +373,12 @@ def check_levers(cfg: Any, device_type: str) -> str:
                              "liger-kernel, or set enable_liger_kernel=false") from None
     if cfg.torch_compile and cfg.fused_lora is False and cfg.quantization_bit:
         raise ValueError(COMPILE_NEEDS_FUSED)
+    if cfg.grouped_lora and cfg.lora_dropout:
+        raise ValueError(f"grouped_lora: true needs lora_dropout 0 (it is {cfg.lora_dropout:g}): a group would draw one "
+                         "dropout mask where peft draws one per projection. Set lora_dropout=0 or grouped_lora=false")
+    if cfg.grouped_lora and cfg.fused_lora is False:
+        raise ValueError("grouped_lora: true needs the fused LoRA projection, but fused_lora is false: unset fused_lora "
+                         "(on where it applies) or set grouped_lora=false")
     if cfg.compile_cpp_wrapper and cfg.torch_compile is False:
         raise ValueError("compile_cpp_wrapper: true needs the compiled layers, but torch_compile is false: unset "
                          "torch_compile (on where it applies) or set compile_cpp_wrapper=false")

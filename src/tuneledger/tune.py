@@ -109,15 +109,16 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
 
 
 def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
-           tune_dir: Path, budget_s: float | None, budget_gib: float | None) -> dict:
-    """Measure the candidates in order, pruning before each and stopping at the time budget.
+           tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1) -> dict:
+    """Measure the candidates in order, pruning before each and stopping at the time budget; the
+    k-th is cand-k (`first`: the first one's k, for the lever variants measured after the space).
     Returns the names of the pruned candidates (each one's reason is on it) and the elapsed seconds."""
     t0 = time.monotonic()
     walls: list[float] = []
     pruned: list[ts.Candidate] = []
     cap = budget_gib if (args.memory_gib and not cpu) else None  # an OOM under the cap proves "does not fit"
-    n = len(cands)
-    for k, c in enumerate(cands, 1):
+    n = first - 1 + len(cands)
+    for k, c in enumerate(cands, first):
         if c.status != "planned":
             continue
         done = [d for d in cands if d.status in ("measured", "out of memory")]
@@ -130,7 +131,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         left = None if budget_s is None else budget_s - elapsed
         typical = sum(walls) / len(walls) if walls else 0.0
         if left is not None and walls and (left <= 0 or left < typical):  # the first always runs
-            for rest in cands[k - 1:]:
+            for rest in cands[k - first:]:
                 if rest.status == "planned":
                     rest.status, rest.reason = "not measured", (f"the {fmt_s(budget_s)} budget ran out ({fmt_s(max(0, left))} "
                                                                 f"left, a candidate takes ~{fmt_s(typical)})")
@@ -158,6 +159,29 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         print(f"tune [{k}/{n}] {c.short}: {r['tokens_per_s']:,.0f} tokens/s (p10-p90 {r['tokens_per_s_p10']:,.0f}-"
               f"{r['tokens_per_s_p90']:,.0f}), peak {mem}, fits {fits_word(r['fits'])}, {walls[-1]:.0f} s", flush=True)
     return {"pruned": [p.short for p in pruned], "elapsed_s": time.monotonic() - t0}
+
+
+def try_levers(space: list[ts.Candidate], levers: list[tuple[str, str]], info: dict, items: list[str],
+               args: argparse.Namespace, cpu: bool, nproc: int, tune_dir: Path, budget_s: float | None,
+               budget_gib: float | None) -> list[ts.Candidate]:
+    """--levers: the space's pick measured again with each lever setting (ts.lever_variants), in
+    what is left of the time budget. Returns the variants (measured, or why not); adds their
+    elapsed time and pruned names to `info`."""
+    pick = next((c for c in space if c.short == ts.rank(space)["pick"]), None)
+    if pick is None:
+        print("tune: no pick to try the levers on", flush=True)
+        return []
+    variants = ts.lever_variants(pick, levers)
+    left = None if budget_s is None else budget_s - info["elapsed_s"]
+    if left is not None and left <= 0:
+        for v in variants:
+            v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
+        return variants
+    print(f"tune: the pick {pick.short} with each of {', '.join(f'{k}={v}' for k, v in levers)}", flush=True)
+    more = search(variants, items, args, cpu, nproc, tune_dir, left, budget_gib, first=len(space) + 1)
+    info["elapsed_s"] += more["elapsed_s"]
+    info["pruned"] += more["pruned"]
+    return variants
 
 
 def fits_word(f: bool | None) -> str:
@@ -190,7 +214,9 @@ def markdown(led: dict) -> str:
              f"{led['dryrun_steps']} steps ({led['warmup_steps']} warm-up); memory budget "
              f"{str(led['memory_budget_gib']) + ' GiB per GPU' if led['memory_budget_gib'] else 'not checked (CPU)'}; "
              f"time budget {fmt_s(led['budget_s']) if led['budget_s'] else 'none'}; searched in {fmt_s(led['elapsed_s'])}",
-             "- speed levers (attention, Liger, fused LoRA, compile) at the config's values: not an axis of the search", "",
+             ("- speed levers at the config's values; then the pick with each of: " + ", ".join(led["levers_tried"])
+              if led.get("levers_tried") else
+              "- speed levers (attention, Liger, fused LoRA, compile) at the config's values (`--levers` tries others on the pick)"), "",
              "## The pick", "", "```yaml", led["snippet"].rstrip(), "```", "", f"**Finding:** {led['finding']}", ""]
     if led["why"]:
         lines += ["## Why (the dry-run's verdicts)", ""] + [f"- {w}" for w in led["why"]] + [""]
@@ -269,6 +295,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("tune searches the DDP settings (micro-batch x gradient checkpointing x packing, presets A-D "
                           "among them); this config asks for preset F / fsdp. Remove fsdp and preset=F to tune, or "
                           "measure F with `tuneledger dryrun --preset F`")
+    levers = ts.parse_levers(args.levers)
+    from tuneledger.speed import check_levers
+
+    for key, value in levers:  # a bad value, or a lever this job cannot run, fails here, before any run
+        try:
+            check_levers(from_cli([*items, f"{key}={value}"]), "cpu" if cpu else "cuda")
+        except ValueError as e:
+            raise ConfigError(f"--levers {key}={value}: {e}") from None
     gb = cfg.global_batch_size
     mbs = ts.parse_micro_batches(args.micro_batches, gb, world)
     space = ts.build_space(gb, world, cfg.cutoff_len, mbs, ts.parse_switch(args.gc, "gc"), ts.parse_switch(args.packing, "packing"))
@@ -289,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
     saved = {sig: signal.signal(sig, as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         info = search(space, items, args, cpu, nproc, tune_dir, budget_s, budget_gib)
+        if levers:
+            space += try_levers(space, levers, info, items, args, cpu, nproc, tune_dir, budget_s, budget_gib)
     except KeyboardInterrupt:
         name = signal.Signals(stopped[0]).name if stopped else "Ctrl-C"
         stopped.append(stopped[0] if stopped else signal.SIGINT)
@@ -310,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         "ranking": ranking, "pick": pick.as_dict() if pick else None,
         "snippet": ts.snippet(pick, gb, world, budget_gib) if pick else "# no measured candidate fits\n",
         "finding": ts.finding(ranking, space), "why": why(ranking, space),
+        "levers_tried": [f"{k}={v}" for k, v in levers],
     }
     png = plot(space, tune_dir / "tune.png", f"tune {cfg.run_name}: {ledger.plural(world, 'rank')}, global batch {gb}", budget_gib)
     if png:
@@ -334,4 +371,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--micro-batches", help="micro-batches to search, e.g. 1,2,4,8 (default: 1, 2, 4, ... dividing global/world)")
     p.add_argument("--gc", default="both", help="gradient checkpointing searched: on, off or both (default both)")
     p.add_argument("--packing", default="both", help="packing searched: on, off or both (default both)")
+    p.add_argument("--levers", help="speed levers to try on the pick, one variant each: "
+                                    "grouped_lora=true,compile_cpp_wrapper=true (keys: " + ", ".join(ts.LEVER_KEYS) + ")")
     p.set_defaults(func=run)

@@ -21,13 +21,16 @@ from tuneledger.config import DDP_PRESETS, PRESETS, ConfigError
 GC_OFF_FACTOR = 6.0
 # The keys a candidate sets; the user's own values of them are replaced by the candidate's.
 SPACE_KEYS = ("per_device_train_batch_size", "gradient_checkpointing", "packing", "gradient_accumulation_steps", "preset")
+# The speed levers `--levers` may try on the pick, one variant each (docs/speed.md has what each does).
+LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora", "torch_compile", "compile_cpp_wrapper")
 
 
 @dataclass
 class Candidate:
     """One point of the space: micro-batch (sequences per rank per forward), gradient
     checkpointing, packing; `accumulation` is derived (global batch / (micro-batch x world size)).
-    `presets` names the presets A-D whose resolved settings are this point."""
+    `presets` names the presets A-D whose resolved settings are this point; `levers` the speed
+    levers a variant of the pick sets (--levers: {key: value}), empty for the space's own points."""
 
     micro_batch: int
     gradient_checkpointing: bool
@@ -38,26 +41,29 @@ class Candidate:
     status: str = "planned"  # planned, measured, pruned, not measured, failed, out of memory
     reason: str = ""
     result: dict = field(default_factory=dict)  # the measured numbers (tune.measure_row)
+    levers: dict[str, str] = field(default_factory=dict)
 
     @property
-    def key(self) -> tuple[int, bool, bool]:
-        return (self.micro_batch, self.gradient_checkpointing, self.packing)
+    def key(self) -> tuple:
+        return (self.micro_batch, self.gradient_checkpointing, self.packing, *sorted(self.levers.items()))
 
     @property
     def label(self) -> str:
         return (f"mb {self.micro_batch} x acc {self.accumulation}, GC {'on' if self.gradient_checkpointing else 'off'}, "
-                f"{'packed' if self.packing else 'padded'}")
+                f"{'packed' if self.packing else 'padded'}" + "".join(f", {k}={v}" for k, v in self.levers.items()))
 
     @property
     def short(self) -> str:
         """A name for tables and the plot: 'mb2-gc-pack', with the presets it is ('=B')."""
         name = f"mb{self.micro_batch}-{'gc' if self.gradient_checkpointing else 'nogc'}-{'pack' if self.packing else 'pad'}"
+        name += "".join(f"+{k}={v}" for k, v in self.levers.items())
         return name + (f" (={'/'.join(self.presets)})" if self.presets else "")
 
     def overrides(self) -> list[str]:
         """The key=value items that make a dry-run of this candidate."""
         return [f"per_device_train_batch_size={self.micro_batch}",
-                f"gradient_checkpointing={str(self.gradient_checkpointing).lower()}", f"packing={str(self.packing).lower()}"]
+                f"gradient_checkpointing={str(self.gradient_checkpointing).lower()}", f"packing={str(self.packing).lower()}",
+                *(f"{k}={v}" for k, v in self.levers.items())]
 
     def as_dict(self) -> dict:
         return {**asdict(self), "label": self.label, "short": self.short}
@@ -75,6 +81,30 @@ def parse_budget(text: str | None) -> float | None:
     if seconds <= 0:
         raise ConfigError(f"--budget {text!r}: must be above 0")
     return seconds
+
+
+def parse_levers(text: str | None) -> list[tuple[str, str]]:
+    """--levers 'grouped_lora=true,torch_compile=false': the (key, value) settings to try on the
+    pick, one variant each, in order; [] for none. Raises ConfigError for an item that is not
+    key=value or whose key is not in LEVER_KEYS (the value is checked by the config, before any run)."""
+    if text is None or not str(text).strip():
+        return []
+    out = []
+    for part in str(text).split(","):
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not sep or not key or not value:
+            raise ConfigError(f"--levers {text!r}: {part.strip()!r} is not key=value (e.g. grouped_lora=true)")
+        if key not in LEVER_KEYS:
+            raise ConfigError(f"--levers {text!r}: {key!r} is not a speed lever tune tries; use {', '.join(LEVER_KEYS)}")
+        out.append((key, value))
+    return out
+
+
+def lever_variants(pick: Candidate, levers: list[tuple[str, str]]) -> list[Candidate]:
+    """The pick with each lever setting in turn: the same micro-batch, checkpointing and packing
+    (so the same memory estimate), no preset name (a variant is not a preset's own settings)."""
+    return [Candidate(pick.micro_batch, pick.gradient_checkpointing, pick.packing, pick.accumulation,
+                      units=pick.units, levers={k: v}) for k, v in levers]
 
 
 def per_rank_batch(global_batch: int, world: int) -> int:
@@ -292,4 +322,5 @@ def snippet(c: Candidate, global_batch: int, world: int, budget_gib: float | Non
         f"per_device_train_batch_size: {c.micro_batch}   # gradient accumulation {c.accumulation} is derived",
         f"gradient_checkpointing: {str(c.gradient_checkpointing).lower()}",
         f"packing: {str(c.packing).lower()}",
+        *(f"{k}: {v}" for k, v in c.levers.items()),
     ]) + "\n"
