@@ -5,6 +5,8 @@ file on the GPU too."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,6 +125,56 @@ def test_a_member_called_alone_computes_its_own_projection(tiny_model):
         assert torch.allclose(attn_g.q_proj(x), attn_p.q_proj(x), atol=1e-5)
         assert torch.allclose(attn_g.k_proj(other), attn_p.k_proj(other), atol=1e-5)  # another input
         assert torch.allclose(attn_g.v_proj(x), attn_p.v_proj(x), atol=1e-5)  # the kept one
+
+
+def test_v_gets_a_tensor_of_its_own_and_a_broken_sequence_keeps_nothing(tiny_model):
+    """Attention saves v as it comes: a view of the group's output would keep q and k alive until
+    backward. A member called in another grad mode than the group's computes its own, and the
+    kept state is dropped."""
+    grp = _model(tiny_model, True)
+    attn = grp.base_model.model.model.layers[0].self_attn
+    x = torch.randn(1, 5, attn.q_proj.in_features)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()  # a view, rotary copies it
+    assert v.untyped_storage().data_ptr() != q.untyped_storage().data_ptr() and v.is_contiguous()
+    with torch.no_grad():
+        attn.q_proj(x)
+    k = attn.k_proj(x)  # with grad, after a q_proj without
+    g = attn.q_proj._tuneledger_group
+    assert k.requires_grad and g.x is None and g.pending == [None, None, None]
+
+
+def test_the_levers_line_names_the_groups_made_and_a_target_without_one_is_refused(tiny_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def lora(targets):
+        m = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+        speed.fuse_lora(m, True)
+        return m
+
+    m = lora(["q_proj", "v_proj", "gate_proj", "up_proj"])
+    layers = m.config.num_hidden_layers
+    assert grouped.group_lora(m, True, True, 0.0) == f"on ({layers} groups of {2 * layers} projections: gate/up)"
+    with pytest.raises(ValueError, match="lora_target must cover q_proj, k_proj and v_proj, or gate_proj and up_proj"):
+        grouped.group_lora(lora(["q_proj", "v_proj"]), True, True, 0.0)
+
+
+def test_checkpointing_inside_compiled_layers_rules_out_the_preset_before_any_rank(tmp_path):
+    """Presets A and B with compile on are refused per preset, before their ranks start; C and D run."""
+    from tuneledger.config import ConfigError
+    from tuneledger.dryrun import plan
+
+    items = [str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"), "model_name_or_path=m",
+             "grouped_lora=true", "lora_dropout=0", "torch_compile=true", f"output_dir={tmp_path}"]
+    planned = dict(plan(items, ["A", "B", "C", "D"], 1, "cuda"))
+    for name in ("A", "B"):
+        assert isinstance(planned[name], ConfigError) and str(planned[name]).startswith(
+            f"preset {name}: grouped_lora: true cannot run with gradient checkpointing inside compiled layers"), planned[name]
+    assert not isinstance(planned["C"], ConfigError) and not isinstance(planned["D"], ConfigError)
+    assert not any(isinstance(c, ConfigError) for c in dict(plan(items[:-2] + [f"output_dir={tmp_path}"],
+                                                                  ["A", "B"], 1, "cuda")).values())
 
 
 def test_grouped_lora_is_refused_where_it_would_change_the_result(tiny_model):

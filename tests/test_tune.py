@@ -190,11 +190,23 @@ def test_the_levers_are_tried_on_the_pick_in_what_is_left_of_the_budget(tmp_path
     space = ts.build_space(4, 1, 128, [1], [True], [False])
     info = tune.search(space, [], args, False, 1, tmp_path, None, 80.0)
     pick = ts.rank(space)["pick"]
-    variants = tune.try_levers(space, [("grouped_lora", "true")], info, [], args, False, 1, tmp_path, None, 80.0)
+    items = [str(ROOT / "configs" / "tiny.yaml"), "model_name_or_path=m", "lora_dropout=0"]
+    variants = tune.try_levers(space, [("grouped_lora", "true")], info, items, args, False, 1, tmp_path, None, 80.0)
     assert ran[-1] == (len(space) + 1, f"{pick.split(' ')[0]}+grouped_lora=true") and variants[0].status == "measured"
     assert ts.rank(space + variants)["pick"] == variants[0].short  # a faster variant becomes the pick
+    # a variant the pick's own settings cannot run, or one that would change nothing, is not measured
+    ran.clear()
+    gc_pick = next(c for c in space if c.gradient_checkpointing and c.status == "measured")
+    monkeypatch.setattr(ts, "rank", lambda cands: {"pick": gc_pick.short})
+    skipped = tune.try_levers(space, [("grouped_lora", "true")], info, [*items, "torch_compile=true"], args, False, 1,
+                              tmp_path, None, 80.0)
+    assert skipped[0].status == "not measured" and "gradient checkpointing inside compiled layers" in skipped[0].reason
+    cpp = tune.try_levers(space, [("compile_cpp_wrapper", "true")], info, [*items, "torch_compile=false"], args, True, 1,
+                          tmp_path, None, 80.0)
+    assert cpp[0].status == "not measured" and ran == []
+    monkeypatch.undo()
     info["elapsed_s"] = 100.0
-    late = tune.try_levers(space, [("grouped_lora", "true")], info, [], args, False, 1, tmp_path, 60.0, 80.0)
+    late = tune.try_levers(space, [("grouped_lora", "true")], info, items, args, False, 1, tmp_path, 60.0, 80.0)
     assert late[0].status == "not measured" and "budget ran out before the levers" in late[0].reason
 
 

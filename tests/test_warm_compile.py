@@ -59,6 +59,9 @@ def test_forget_compiled_code_drops_the_loaded_modules():
     if not isinstance(loaded, dict):
         loaded = PyCodeCache.cache  # torch 2.5: the same dict under its older name
     loaded["sentinel-key"] = object()
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    CppWrapperCodeCache.cache["sentinel-key"] = object()  # compile_cpp_wrapper's loaded wrappers
     cleared = forget_compiled_code()
-    assert cleared[:2] == ["dynamo", "PyCodeCache"]
-    assert "sentinel-key" not in loaded
+    assert cleared[:2] == ["dynamo", "PyCodeCache"] and "CppWrapperCodeCache" in cleared
+    assert "sentinel-key" not in loaded and "sentinel-key" not in CppWrapperCodeCache.cache

@@ -195,8 +195,9 @@ def entry(cfg: JobConfig, result: dict, stats: dict, world: int, startup: dict |
     }
 
 
-def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobConfig | ConfigError]]:
-    """Each preset's resolved config, or the config error that rules it out at this world size."""
+def plan(items: list[str], names: list[str], world: int, device_type: str = "cuda") -> list[tuple[str, JobConfig | ConfigError]]:
+    """Each preset's resolved config, or the config error that rules it out at this world size
+    (or, on `device_type`, a lever its own settings cannot run: speed.check_preset_levers)."""
     out: list[tuple[str, JobConfig | ConfigError]] = []
     base = from_cli(items)
     if base.batch_from_accumulation:
@@ -205,7 +206,11 @@ def plan(items: list[str], names: list[str], world: int) -> list[tuple[str, JobC
         items = [*items, f"global_batch_size={resolve(base, world).global_batch_size}", "gradient_accumulation_steps=null"]
     for name in names:
         try:
-            out.append((name, resolve(preset_config(items, name), world)))
+            cfg = resolve(preset_config(items, name), world)
+            if cfg.grouped_lora:  # torch is imported only for a lever that needs the check
+                from tuneledger.speed import check_preset_levers
+                check_preset_levers(cfg, device_type, name)
+            out.append((name, cfg))
         except ConfigError as e:
             out.append((name, e))
     return out
@@ -298,7 +303,7 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(DDP_PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
-    planned = plan(args.items, names, world)
+    planned = plan(args.items, names, world, "cpu" if cpu else "cuda")
     errors = [cfg for _, cfg in planned if isinstance(cfg, ConfigError)]
     if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone
         raise errors[0]
@@ -344,7 +349,7 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
             # No whole copy per GPU fits a 24 GB card: measure the sharded preset beside them.
             print("\nno DDP preset fits a 24 GB card: measuring preset F (FSDP2, the model sharded over the GPUs)", flush=True)
             names.append("F")
-            measure_presets(args, plan(args.items, ["F"], world), nproc, cpu, prep, stats, out_root, log, rows, results,
+            measure_presets(args, plan(args.items, ["F"], world, "cpu" if cpu else "cuda"), nproc, cpu, prep, stats, out_root, log, rows, results,
                             nodes, eval_prep.path if eval_prep else None, startup)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.

@@ -8,8 +8,10 @@ the base, the LoRA A and the LoRA B, forward and backward; x's three input gradi
 
 transformers calls q_proj, k_proj and v_proj one after another on the same hidden states. The
 group's first projection computes all of them and keeps the others' outputs for the calls that
-follow with that same tensor (`x is` the one it computed from); a call with any other input, or
-out of order, computes its own (LoraProjection), so the result is always the projection's own.
+follow with that same tensor (`x is` the one it computed from) in the same grad mode; a call with
+any other input, or out of order, computes its own (LoraProjection) and drops what was kept. So
+the result is the projection's own unless x or the weights change in place between the group's
+calls, which the decoder layers' forward never does.
 
 Exactness: the same arithmetic as LoraProjection per member, in bigger matmuls (a block-diagonal
 LoRA B), so bf16 results differ by rounding only. Dropout is not grouped: the group would draw one
@@ -27,6 +29,17 @@ import torch.nn.functional as F
 from tuneledger.speed import _dequantize, _fused_forward, base_weight_inputs
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Members whose output gets a tensor of its own: attention saves v as it comes (no rotary, no
+# repeat_kv copy where the kernel handles grouped heads), and a view would keep the whole [T, q+k+v]
+# output alive until backward (found in review on CPU: +T x (q+k) x 2 B per layer).
+OWN_COPY = {"v_proj"}
+# Dynamo does not trace the group's kept outputs inside a checkpoint region: it breaks the graph
+# there and runs the checkpointed layer eagerly (seen on CPU, torch 2.5.1: "HigherOrderOperator:
+# Mutating a variable not in the current scope"), so the compile would be lost.
+GROUPED_NEEDS_NO_COMPILED_CHECKPOINT = (
+    "grouped_lora: true cannot run with gradient checkpointing inside compiled layers: torch.compile would break "
+    "the graph at the group's kept outputs and run each checkpointed layer eagerly. Set grouped_lora=false, "
+    "gradient_checkpointing=false or torch_compile=false")
 PER_MEMBER = 8  # A, B, then base_weight_inputs' six tensors (w, absmax, absmax2, code2, offset, code)
 
 
@@ -98,8 +111,9 @@ class _Group:
     for the others: `x` the input they came from, `pending[i]` member i's output until it is asked.
     `bias`: the members' frozen biases concatenated once here (a cat per micro-batch saved), or None."""
 
-    def __init__(self, members: tuple) -> None:
-        self.members = members
+    def __init__(self, members: tuple, names: tuple) -> None:
+        self.members, self.names = members, names
+        self.grad = False  # the grad mode the kept outputs were made in
         biases = [getattr(m.get_base_layer(), "bias", None) for m in members]
         self.bias = None
         if any(b is not None for b in biases):
@@ -115,7 +129,8 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     shape = x.shape
     if i > 0:
         out = g.pending[i]
-        if out is None or g.x is not x:  # called alone, or out of order: its own projection
+        if out is None or g.x is not x or g.grad != torch.is_grad_enabled():  # alone, or out of order
+            g.x, g.pending = None, [None] * len(g.members)
             return _fused_forward(self, x)
         g.pending[i] = None
         if all(p is None for p in g.pending):
@@ -132,7 +147,8 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         outs.append(m.lora_B[name].weight.shape[0])
     y = GroupedLoraProjection.apply(x.reshape(-1, shape[-1]), g.bias, self.scaling[name], tuple(metas), tuple(outs), *flat)
     parts = [p.reshape(*shape[:-1], p.shape[-1]) for p in y.split(outs, dim=-1)]
-    g.x = x
+    parts = [p.contiguous() if n in OWN_COPY else p for p, n in zip(parts, g.names)]
+    g.x, g.grad = x, torch.is_grad_enabled()
     g.pending = [None] + parts[1:]
     return parts[0]
 
@@ -166,11 +182,7 @@ def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float, compi
     if not fused:
         raise ValueError("grouped_lora: true needs the fused LoRA projection (fused_lora unset or true)")
     if compiled_checkpoint:
-        # Measured on CPU (torch 2.5.1): dynamo refuses the group's kept outputs inside the
-        # checkpoint region ("HigherOrderOperator: Mutating a variable not in the current scope").
-        raise ValueError("grouped_lora: true cannot run with gradient checkpointing inside compiled layers (the "
-                         "group keeps its members' outputs between calls, which torch.compile's checkpoint region "
-                         "refuses). Set grouped_lora=false, gradient_checkpointing=false or torch_compile=false")
+        raise ValueError(GROUPED_NEEDS_NO_COMPILED_CHECKPOINT)
     from peft.tuners.lora import LoraLayer
 
     groups = []
@@ -181,16 +193,17 @@ def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float, compi
                 why = group_blocker(members, lora_dropout)
                 if why:
                     raise ValueError(f"grouped_lora: true cannot apply: {why}. Set grouped_lora=false")
-                groups.append(members)
+                groups.append((members, names))
     if not groups:
-        raise ValueError("grouped_lora: true, but no q/k/v or gate/up LoRA projections were found (lora_target "
-                         "must cover them). Set grouped_lora=false")
-    for members in groups:
-        g = _Group(members)
+        raise ValueError("grouped_lora: true, but no group has LoRA on all its projections: lora_target must cover "
+                         "q_proj, k_proj and v_proj, or gate_proj and up_proj. Set grouped_lora=false")
+    for members, names in groups:
+        g = _Group(members, names)
         for i, m in enumerate(members):
             # Plain attributes, not submodules: a module holding its siblings would loop named_modules()
             object.__setattr__(m, "_tuneledger_group", g)
             object.__setattr__(m, "_tuneledger_index", i)
             m.forward = types.MethodType(_grouped_forward, m)
-    n = sum(len(m) for m in groups)
-    return f"on ({len(groups)} groups of {n} projections: q/k/v and gate/up)"
+    kinds = sorted({"/".join(n.split("_")[0] for n in names) for _, names in groups}, reverse=True)
+    n = sum(len(m) for m, _ in groups)
+    return f"on ({len(groups)} groups of {n} projections: {' and '.join(kinds)})"

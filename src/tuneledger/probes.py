@@ -259,7 +259,11 @@ def forget_compiled_code() -> list[str]:
     import torch._inductor.async_compile as async_compile
     import torch._inductor.codecache as codecache
 
-    for owner, name in ((codecache, "PyCodeCache"), (async_compile, "CompiledTritonKernels")):
+    # The C++ caches hold compile_cpp_wrapper's loaded wrappers (a loaded extension module stays
+    # in sys.modules, so its warm load is still a lower bound; not yet checked by an ETA call).
+    for owner, name in ((codecache, "PyCodeCache"), (async_compile, "CompiledTritonKernels"),
+                        (codecache, "CppWrapperCodeCache"), (codecache, "CppPythonBindingsCodeCache"),
+                        (codecache, "CppCodeCache")):
         cache = getattr(owner, name, None)
         if cache is not None and callable(getattr(cache, "cache_clear", None)):
             cache.cache_clear()

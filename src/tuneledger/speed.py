@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tuneledger.compiled import COMPILE_NEEDS_FUSED, dequant_in_graph
+from tuneledger.compiled import COMPILE_NEEDS_FUSED, checkpoint_inside_wanted, compile_planned, dequant_in_graph
 
 VARLEN = "tuneledger_varlen"  # our attention function's name in transformers' AttentionInterface
 
@@ -361,7 +361,8 @@ def check_levers(cfg: Any, device_type: str) -> str:
     Returns the attention line. Raises ValueError naming the key and the fix for an attention
     backend that cannot run here, enable_liger_kernel: true off a GPU or without liger-kernel,
     torch_compile: true on a torch without torch.compile's GPU backend, compile_cpp_wrapper: true
-    with torch_compile: false, and grouped_lora: true with lora_dropout > 0 or fused_lora: false."""
+    with torch_compile: false, and grouped_lora: true with lora_dropout > 0 or fused_lora: false
+    (with checkpointing inside compiled layers: check_preset_levers, per preset)."""
     _, attention = pick_attention(cfg.flash_attn, cfg.packing, device_type)
     if cfg.enable_liger_kernel:
         if device_type != "cuda":
@@ -383,3 +384,15 @@ def check_levers(cfg: Any, device_type: str) -> str:
         raise ValueError("compile_cpp_wrapper: true needs the compiled layers, but torch_compile is false: unset "
                          "torch_compile (on where it applies) or set compile_cpp_wrapper=false")
     return attention
+
+
+def check_preset_levers(cfg: Any, device_type: str, name: str | None = None) -> None:
+    """The lever rules that depend on a preset's own settings, checked on each resolved preset
+    config before its ranks start (dryrun.plan, train, tune's lever variants): grouped_lora with
+    gradient checkpointing inside compiled layers. Raises ConfigError naming the keys (and preset `name`)."""
+    if (cfg.grouped_lora and cfg.gradient_checkpointing and not cfg.sharded and checkpoint_inside_wanted()
+            and compile_planned(cfg.torch_compile, device_type)):
+        from tuneledger.config import ConfigError
+        from tuneledger.grouped import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT
+
+        raise ConfigError((f"preset {name}: " if name else "") + GROUPED_NEEDS_NO_COMPILED_CHECKPOINT)

@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
             cpu, nproc = processes(args.cpu, args.nproc)
             world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
             cfg = resolve(base, world)
+            if cfg.grouped_lora:  # torch is imported only for a lever that needs the check
+                from tuneledger.speed import check_preset_levers
+                check_preset_levers(cfg, "cpu" if cpu else "cuda")
             out = cfg.out_dir
             # Each node's launcher holds its own lock in the shared run folder (run.lock, run-node1.lock).
             with RunLock(out, f"run{nodes.suffix()}.lock") as lock:

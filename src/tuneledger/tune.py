@@ -171,11 +171,24 @@ def try_levers(space: list[ts.Candidate], levers: list[tuple[str, str]], info: d
     if pick is None:
         print("tune: no pick to try the levers on", flush=True)
         return []
-    variants = ts.lever_variants(pick, levers)
+    from tuneledger.compiled import compile_planned
+    from tuneledger.speed import check_levers, check_preset_levers
+
+    variants, device = ts.lever_variants(pick, levers), "cpu" if cpu else "cuda"
+    for v in variants:  # with the pick's own settings: a lever it cannot run, or one that would do nothing
+        cfg = resolve(from_cli([*items, *v.overrides()]), nproc)
+        try:
+            check_levers(cfg, device)
+            check_preset_levers(cfg, device)
+        except ValueError as e:
+            v.status, v.reason = "not measured", f"cannot run with the pick's settings: {e}"
+        if cfg.compile_cpp_wrapper and not compile_planned(cfg.torch_compile, device):
+            v.status, v.reason = "not measured", "nothing is compiled here: the C++ wrapper would change nothing"
     left = None if budget_s is None else budget_s - info["elapsed_s"]
     if left is not None and left <= 0:
         for v in variants:
-            v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
+            if v.status == "planned":
+                v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
         return variants
     print(f"tune: the pick {pick.short} with each of {', '.join(f'{k}={v}' for k, v in levers)}", flush=True)
     more = search(variants, items, args, cpu, nproc, tune_dir, left, budget_gib, first=len(space) + 1)
