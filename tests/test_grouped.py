@@ -13,9 +13,11 @@ import torch
 from tuneledger import compiled, grouped, speed
 from tuneledger.config_load import load_config
 
+import test_speed as speed_tests  # its loss-and-gradient helpers (tests/ is on the path)
+from test_speed import IDS, _worst
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-IDS = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(2))
 NF4_TOL = 3e-2  # as test_speed's: bf16 compute rounds in another order; a wrong term is of order 1
 
 
@@ -52,16 +54,7 @@ def _model(tiny_model, group: bool, quant: bool = False, dropout: float = 0.0):
 
 
 def _grads(m):
-    m.train()
-    x = IDS.to(next(m.parameters()).device)
-    loss = m(input_ids=x, labels=x).loss
-    loss.backward()
-    return loss.item(), {n: p.grad.float() for n, p in m.named_parameters() if p.requires_grad}
-
-
-def _worst(g0: dict, g1: dict) -> tuple[float, str]:
-    assert g0.keys() == g1.keys() and g0
-    return max((((g0[n] - g1[n]).norm() / g0[n].norm()).item(), n) for n in g0)
+    return speed_tests._grads(m, IDS)
 
 
 def test_grouped_equals_the_fused_projections(tiny_model, monkeypatch):
