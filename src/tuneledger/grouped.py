@@ -26,20 +26,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuneledger.speed import _dequantize, _fused_forward, base_weight_inputs
+from tuneledger.speed import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT, _dequantize, _fused_forward, base_weight_inputs
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # Members whose output gets a tensor of its own: attention saves v as it comes (no rotary, no
 # repeat_kv copy where the kernel handles grouped heads), and a view would keep the whole [T, q+k+v]
 # output alive until backward (found in review on CPU: +T x (q+k) x 2 B per layer).
 OWN_COPY = {"v_proj"}
-# Dynamo does not trace the group's kept outputs inside a checkpoint region: it breaks the graph
-# there and runs the checkpointed layer eagerly (seen on CPU, torch 2.5.1: "HigherOrderOperator:
-# Mutating a variable not in the current scope"), so the compile would be lost.
-GROUPED_NEEDS_NO_COMPILED_CHECKPOINT = (
-    "grouped_lora: true cannot run with gradient checkpointing inside compiled layers: torch.compile would break "
-    "the graph at the group's kept outputs and run each checkpointed layer eagerly. Set grouped_lora=false, "
-    "gradient_checkpointing=false or torch_compile=false")
 PER_MEMBER = 8  # A, B, then base_weight_inputs' six tensors (w, absmax, absmax2, code2, offset, code)
 
 

@@ -386,6 +386,16 @@ def check_levers(cfg: Any, device_type: str) -> str:
     return attention
 
 
+# grouped_lora (grouped.py) and checkpointing inside compiled layers:
+# Dynamo does not trace the group's kept outputs inside a checkpoint region: it breaks the graph
+# there and runs the checkpointed layer eagerly (seen on CPU, torch 2.5.1: "HigherOrderOperator:
+# Mutating a variable not in the current scope"), so the compile would be lost.
+GROUPED_NEEDS_NO_COMPILED_CHECKPOINT = (
+    "grouped_lora: true cannot run with gradient checkpointing inside compiled layers: torch.compile would break "
+    "the graph at the group's kept outputs and run each checkpointed layer eagerly. Set grouped_lora=false, "
+    "gradient_checkpointing=false or torch_compile=false")
+
+
 def check_preset_levers(cfg: Any, device_type: str, name: str | None = None) -> None:
     """The lever rules that depend on a preset's own settings, checked on each resolved preset
     config before its ranks start (dryrun.plan, train, tune's lever variants): grouped_lora with
@@ -393,6 +403,5 @@ def check_preset_levers(cfg: Any, device_type: str, name: str | None = None) -> 
     if (cfg.grouped_lora and cfg.gradient_checkpointing and not cfg.sharded and checkpoint_inside_wanted()
             and compile_planned(cfg.torch_compile, device_type)):
         from tuneledger.config import ConfigError
-        from tuneledger.grouped import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT
 
         raise ConfigError((f"preset {name}: " if name else "") + GROUPED_NEEDS_NO_COMPILED_CHECKPOINT)
