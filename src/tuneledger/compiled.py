@@ -106,6 +106,14 @@ def checkpoint_inside_wanted() -> bool:
     return os.environ.get("TUNELEDGER_CHECKPOINT_OUTSIDE", "") != "1"
 
 
+def checkpoint_inside_planned(cfg: Any, device_type: str) -> bool:
+    """Whether `cfg`'s gradient checkpointing will run inside compiled layers on `device_type`
+    (DDP with checkpointing, compile planned, checkpoint_inside_wanted): what model.load_model
+    passes to compile_layers, and what grouped_lora cannot run with."""
+    return bool(cfg.gradient_checkpointing and not cfg.sharded and checkpoint_inside_wanted()
+                and compile_planned(cfg.torch_compile, device_type))
+
+
 def checkpoint_inside(layer: Any) -> None:
     """Checkpoint `layer` inside its compiled region instead of around it.
 

@@ -303,7 +303,8 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(DDP_PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
-    planned = plan(args.items, names, world, "cpu" if cpu else "cuda")
+    device_type = "cpu" if cpu else "cuda"
+    planned = plan(args.items, names, world, device_type)
     errors = [cfg for _, cfg in planned if isinstance(cfg, ConfigError)]
     if len(errors) == len(planned):  # nothing to measure: say why, and leave the last ledger alone
         raise errors[0]
@@ -349,7 +350,7 @@ def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
             # No whole copy per GPU fits a 24 GB card: measure the sharded preset beside them.
             print("\nno DDP preset fits a 24 GB card: measuring preset F (FSDP2, the model sharded over the GPUs)", flush=True)
             names.append("F")
-            measure_presets(args, plan(args.items, ["F"], world, "cpu" if cpu else "cuda"), nproc, cpu, prep, stats, out_root, log, rows, results,
+            measure_presets(args, plan(args.items, ["F"], world, device_type), nproc, cpu, prep, stats, out_root, log, rows, results,
                             nodes, eval_prep.path if eval_prep else None, startup)
     except KeyboardInterrupt:
         # Keep what was measured: the ledger of the presets that finished is still written.

@@ -198,8 +198,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     levers["fused_lora"] = _lever(speed.fuse_lora, model, wanted["fused_lora"])
     if wanted["grouped_lora"]:  # the ledger line names it only when asked for (default off, not yet measured)
         levers["grouped_lora"] = _lever(grouped.group_lora, model, True, levers["fused_lora"].startswith("on"),
-                                        cfg.lora_dropout, cfg.gradient_checkpointing and compiled.checkpoint_inside_wanted()
-                                        and compiled.compile_planned(wanted["torch_compile"], device.type))
+                                        cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))
     levers["compile"] = _lever(compiled.compile_layers, model, wanted["torch_compile"], device.type,
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit),
                                checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted(),

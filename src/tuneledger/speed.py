@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tuneledger.compiled import COMPILE_NEEDS_FUSED, checkpoint_inside_wanted, compile_planned, dequant_in_graph
+from tuneledger.compiled import COMPILE_NEEDS_FUSED, checkpoint_inside_planned, dequant_in_graph
 
 VARLEN = "tuneledger_varlen"  # our attention function's name in transformers' AttentionInterface
 
@@ -400,8 +400,7 @@ def check_preset_levers(cfg: Any, device_type: str, name: str | None = None) -> 
     """The lever rules that depend on a preset's own settings, checked on each resolved preset
     config before its ranks start (dryrun.plan, train, tune's lever variants): grouped_lora with
     gradient checkpointing inside compiled layers. Raises ConfigError naming the keys (and preset `name`)."""
-    if (cfg.grouped_lora and cfg.gradient_checkpointing and not cfg.sharded and checkpoint_inside_wanted()
-            and compile_planned(cfg.torch_compile, device_type)):
+    if cfg.grouped_lora and checkpoint_inside_planned(cfg, device_type):
         from tuneledger.config import ConfigError
 
         raise ConfigError((f"preset {name}: " if name else "") + GROUPED_NEEDS_NO_COMPILED_CHECKPOINT)
