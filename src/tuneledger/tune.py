@@ -309,9 +309,9 @@ def run(args: argparse.Namespace) -> int:
                           "among them); this config asks for preset F / fsdp. Remove fsdp and preset=F to tune, or "
                           "measure F with `tuneledger dryrun --preset F`")
     levers = ts.parse_levers(args.levers)
-    from tuneledger.speed import check_levers
-
     for key, value in levers:  # a bad value, or a lever this job cannot run, fails here, before any run
+        from tuneledger.speed import check_levers  # torch: imported only when levers are asked for
+
         try:
             check_levers(from_cli([*items, f"{key}={value}"]), "cpu" if cpu else "cuda")
         except ValueError as e:
