@@ -30,7 +30,7 @@ left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   stamp "tests/test_speed.py and tests/test_grouped.py on the GPU"
-  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider tests/test_speed.py tests/test_grouped.py > /tmp/logs/test_speed_gpu.log 2>&1
+  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py} > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
 if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per layer (bench/compile_check.py)
@@ -75,24 +75,33 @@ peer() {  # $1: unsloth | hf; the peers train on the tokenized cache this call's
   fi
 }
 UNSLOTH_PRESETS=${UNSLOTH_PRESETS:-D C}
-for r in $RUNS; do
-  case $r in unsloth|hf) peer $r; continue;; esac
-  p=${r:0:1}   # a run is <preset><variant>: Dauto, Cplain, Dnoliger, ...
+variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=value overrides) and e (environment)
+  local r=$1
   case ${r:1} in
     plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
     compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
     group) o="$AUTO grouped_lora=true";;   # q/k/v and gate/up as one projection each: fewer launches (grouped.py)
     cpp) o="$AUTO compile_cpp_wrapper=true";;   # inductor's C++ wrapper for the compiled layers: less Python per launch
+    absmax) o="$AUTO absmax_once=true";;   # double quantization's absmax dequantized once at load (nf4.py)
+    dq0) o="$AUTO double_quantization=false";;   # no double quantization: plain fp32 absmax (other quantized weights)
+    fast) o="$AUTO grouped_lora=true absmax_once=true";;   # the host-time levers together (C: host-bound)
+    fastcpp) o="$AUTO grouped_lora=true absmax_once=true compile_cpp_wrapper=true";;
     gcout) o="$AUTO";; # A/B: transformers' checkpoint around the compiled layers, as before compiled.checkpoint_inside
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
     pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|gcout|prefer|graphdq|pack>, unsloth, hf)"; continue;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|fast|fastcpp|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
   [ "${r:1}" = graphdq ] && e="TUNELEDGER_DEQUANT=graph"
+  return 0
+}
+for r in $RUNS; do
+  case $r in unsloth|hf) peer $r; continue;; esac
+  p=${r:0:1}   # a run is <preset><variant>: Dauto, Cplain, Dnoliger, ...
+  variant $r || continue
   l=$(left); if [ "$l" -lt 60 ]; then stamp "$r skipped: $l s left"; continue; fi
   cap=$CAP; case $r in *plain|*nocompile|*nofuse) ;; *cpp) cap=$(( CAP + 160 ));; *) cap=$(( CAP + 80 ));; esac  # compiling: the first steps (C++: 104 s cold)
   [ $(( l - 25 )) -lt $cap ] && cap=$(( l - 25 ))
@@ -109,15 +118,19 @@ for r in $RUNS; do
 done
 peers=(); for f in "$OUT/unsloth.json" "$OUT/hf.json"; do [ -f "$f" ] && peers+=("$f"); done
 ${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" ${peers[@]:+--peers "${peers[@]}"} 2>&1 | tee /tmp/logs/bench_table.log
-# Where one step's time goes: a short dry-run of PROFILE_RUN (a preset, defaults) with one step
-# profiled (src/tuneledger/profile.py), its kernel-time table by category printed and kept.
+# Where one step's time goes: a short dry-run of PROFILE_RUN (a preset with the defaults, or a run
+# name such as Cfast) with one step profiled (src/tuneledger/profile.py), its kernel-time table by
+# category printed and kept.
 PROFILE_RUN=${PROFILE_RUN-D}
 if [ -n "$PROFILE_RUN" ]; then
+  o="$AUTO"; e=""; [ ${#PROFILE_RUN} -gt 1 ] && { variant "$PROFILE_RUN" || PROFILE_RUN=; }
+fi
+if [ -n "$PROFILE_RUN" ]; then
   if [ "$(left)" -lt 120 ]; then stamp "profile of $PROFILE_RUN skipped: $(left) s left"; else
-    d=/tmp/run-prof-$PROFILE_RUN; rm -rf "$d"
-    stamp "profile: step $(( WARMUP + 2 )) of preset $PROFILE_RUN (defaults), kernel time by category"
-    TUNELEDGER_PROFILE_STEP=$(( WARMUP + 2 )) timeout -k 10 -s INT $(( $(left) - 20 )) $TL dryrun $JOB run_name=prof-$PROFILE_RUN \
-      output_dir="$d" $AUTO dryrun_steps=$(( WARMUP + 3 )) --preset "$PROFILE_RUN" --nproc 1 --no-fit-check $FLAGS \
+    d=/tmp/run-prof-$PROFILE_RUN; rm -rf "$d"; p=${PROFILE_RUN:0:1}
+    stamp "profile: step $(( WARMUP + 2 )) of $PROFILE_RUN ($o), kernel time by category"
+    env $e TUNELEDGER_PROFILE_STEP=$(( WARMUP + 2 )) timeout -k 10 -s INT $(( $(left) - 20 )) $TL dryrun $JOB run_name=prof-$PROFILE_RUN \
+      output_dir="$d" $o dryrun_steps=$(( WARMUP + 3 )) --preset "$p" --nproc 1 --no-fit-check $FLAGS \
       > /tmp/logs/dryrun-prof-$PROFILE_RUN.log 2>&1
     f=$(find "$d" -name "profile-step*.md" | head -1)
     if [ -n "$f" ]; then cp "$f" "$OUT/profile-$PROFILE_RUN.md"; sed -n '1,32p' "$f" | tee -a "$LOG"

@@ -30,15 +30,18 @@ def test_summary_splits_the_step_and_counts_the_host_side():
           {"name": "cudaLaunchKernel", "kind": "runtime", "dur_us": 5, "self_us": 5},
           {"name": "cudaLaunchKernel", "kind": "runtime", "dur_us": 5, "self_us": 5},
           {"name": "cudaStreamSynchronize", "kind": "runtime", "dur_us": 50, "self_us": 50},
+          {"name": "cudaMemcpyAsync", "kind": "runtime", "dur_us": 9, "self_us": 9},
+          {"name": "cudaMemcpyAsync", "kind": "runtime", "dur_us": 9, "self_us": 9},
           {"name": "aten::mm", "kind": "cpu_op", "dur_us": 40, "self_us": 30},
           {"name": "aten::mm", "kind": "cpu_op", "dur_us": 40, "self_us": 30}]
     s = profile.summarize(ev, wall_s=0.5)
     assert s["categories"] == {"matmul": 0.3, "attention": 0.1}
     assert abs(s["idle_s"] - 0.1) < 1e-9 and abs(s["idle_share"] - 0.2) < 1e-9
-    assert (s["launches"], s["syncs"]) == (2, 1)
+    assert (s["launches"], s["syncs"]) == (2, 3)
+    assert s["sync_calls"] == {"cudaMemcpyAsync": 2, "cudaStreamSynchronize": 1}  # the kinds told apart, most first
     assert s["top_cpu_ops"][0] == ("aten::mm", 60e-6, 2)
     md = profile.markdown(s, 5)
-    assert "| matmul | 300.0 | 60.0% |" in md and "| idle | 100.0 | 20.0% |" in md and "2 kernel launches, 1 host syncs" in md
+    assert "| matmul | 300.0 | 60.0% |" in md and "| idle | 100.0 | 20.0% |" in md and "2 kernel launches, 3 host syncs (cudaMemcpyAsync 2, cudaStreamSynchronize 1)" in md
 
 
 def test_callback_profiles_only_its_step(tmp_path):

@@ -44,10 +44,13 @@ def category(kernel: str) -> str:
 def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     """One step's split. events: {"name", "kind" ("kernel" | "runtime" | "cpu_op"), "dur_us",
     "self_us"}; wall_s: the step's wall time (s). Returns {"wall_s", "kernel_s", "categories":
-    {name: s}, "idle_s", "idle_share", "launches", "syncs", "top_cpu_ops": [(name, self s, calls)]}.
+    {name: s}, "idle_s", "idle_share", "launches", "syncs", "sync_calls": {runtime call: count},
+    "top_cpu_ops": [(name, self s, calls)]}. A cudaMemcpyAsync counts as a sync (a device-to-host
+    copy waits); sync_calls tells the kinds apart.
     Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
     cats: dict[str, float] = {}
     launches = syncs = 0
+    sync_calls: dict[str, int] = {}
     ops: dict[str, list] = {}
     for e in events:
         if e["kind"] == "kernel":
@@ -55,7 +58,9 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
             cats[c] = cats.get(c, 0.0) + e["dur_us"] / 1e6
         elif e["kind"] == "runtime":
             launches += e["name"].startswith(LAUNCH_CALLS)
-            syncs += e["name"].startswith(SYNC_CALLS)
+            if e["name"].startswith(SYNC_CALLS):
+                syncs += 1
+                sync_calls[e["name"]] = sync_calls.get(e["name"], 0) + 1
         else:
             o = ops.setdefault(e["name"], [0.0, 0])
             o[0] += e["self_us"] / 1e6
@@ -64,6 +69,7 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     idle = max(0.0, wall_s - kernel_s)
     return {"wall_s": wall_s, "kernel_s": kernel_s, "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
             "idle_s": idle, "idle_share": idle / wall_s if wall_s else 0.0, "launches": launches, "syncs": syncs,
+            "sync_calls": dict(sorted(sync_calls.items(), key=lambda kv: -kv[1])),
             "top_cpu_ops": sorted(((n, s, c) for n, (s, c) in ops.items()), key=lambda t: -t[1])[:top]}
 
 
@@ -71,7 +77,9 @@ def markdown(s: dict, step: int) -> str:
     """The table of summarize()'s result, in ms and shares of the step."""
     w = s["wall_s"]
     lines = [f"step {step}: {w * 1e3:.0f} ms wall (profiled), GPU kernels {s['kernel_s'] * 1e3:.0f} ms, "
-             f"idle {s['idle_share']:.0%}; {s['launches']:,} kernel launches, {s['syncs']} host syncs", "",
+             f"idle {s['idle_share']:.0%}; {s['launches']:,} kernel launches, {s['syncs']} host syncs"
+             + (" (" + ", ".join(f"{n} {c}" for n, c in s.get("sync_calls", {}).items()) + ")" if s.get("sync_calls") else ""),
+             "",
              "| category | ms | share of the step |", "| --- | --- | --- |"]
     rows = list(s["categories"].items()) + [("idle", s["idle_s"])]
     lines += [f"| {name} | {sec * 1e3:.1f} | {sec / w:.1%} |" for name, sec in rows]

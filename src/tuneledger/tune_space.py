@@ -22,7 +22,8 @@ GC_OFF_FACTOR = 6.0
 # The keys a candidate sets; the user's own values of them are replaced by the candidate's.
 SPACE_KEYS = ("per_device_train_batch_size", "gradient_checkpointing", "packing", "gradient_accumulation_steps", "preset")
 # The speed levers `--levers` may try on the pick, one variant each (docs/speed.md has what each does).
-LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora", "torch_compile", "compile_cpp_wrapper")
+LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "torch_compile",
+              "compile_cpp_wrapper")
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""`absmax_once`: double quantization's absmax dequantized once, at load, instead of at every use.
+
+With double quantization (`double_quantization: true`, the default and Unsloth's) each 4-bit
+weight's per-block scales (absmax, one per 64 weights) are themselves stored in 8 bits. Every
+dequantization of the weight, forward and again in backward, first rebuilds them in fp32: a
+`dequantize_blockwise` kernel and an add of the offset, two launches and two dispatcher calls on
+the host, before the weight's own kernel. On Qwen2.5-7B that is 196 weights x 2 passes x 2 ops per
+micro-batch, the host time that host-bound presets (A-C at micro-batch 1-2 on an H200) wait on.
+
+Here each quant state is rebuilt as a plain one whose absmax is that same fp32 result, computed
+once by bitsandbytes' own ops: every later dequantization reads the same scales and makes the
+same bf16 weight, bit for bit (tests/test_nf4.py), with one kernel instead of three. Cost: 4 bytes
+per 64 weights instead of about 1 (+332 MiB on Qwen2.5-7B: 7.07e9 / 64 x 3 B).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def nested_states(model: Any) -> list:
+    """The bitsandbytes quant states of `model` that use double quantization, each once (peft's
+    LoRA layer shows its base layer's weight as its own)."""
+    out: dict[int, Any] = {}
+    for m in model.modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        if qs is not None and getattr(qs, "nested", False):
+            out[id(qs)] = qs
+    return list(out.values())
+
+
+def unnest(qs: Any) -> int:
+    """Turn one nested quant state into a plain one in place: absmax becomes
+    dequantize_blockwise(absmax, state2) + offset in fp32, exactly as
+    bitsandbytes.functional.dequantize_4bit computes it at every call. Returns the bytes it added."""
+    import torch
+
+    before = qs.absmax.numel() * qs.absmax.element_size() + qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+    with torch.no_grad():
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise(qs.absmax, qs.state2.absmax, qs.state2.code,
+                                                             qs.state2.blocksize, torch.float32)
+        absmax += qs.offset
+    qs.absmax, qs.nested, qs.state2, qs.offset = absmax.float(), False, None, None
+    return absmax.numel() * 4 - before
+
+
+def absmax_once(model: Any, wanted: bool | None, sharded: bool = False) -> str:
+    """Apply the lever to every double-quantized weight of `model` when `wanted` is True (None
+    and False: off; the default is off until an H200 call measures it). Returns the ledger's line.
+    Preset F is left alone: FSDP2 shards the quant states with the weights."""
+    if not wanted:
+        return "off"
+    if sharded:
+        return "off (preset F: FSDP2 shards the quant states)"
+    states = nested_states(model)
+    if not states:
+        return "off (no double-quantized weight)"
+    added = sum(unnest(qs) for qs in states)
+    return f"on ({len(states)} weights, +{added / 2**20:.0f} MiB)"
