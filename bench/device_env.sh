@@ -27,5 +27,7 @@ synth_model() {   # $1: the log to append to
   $TL synth-model --arch qwen2.5-7b $MODEL 2>&1 | tail -2 | tee -a "$1"
 }
 # bitsandbytes for CUDA 13 from the Unsloth folder (../shared/tools/make_unsloth_site.sh), when carried:
-# the full bitsandbytes wheel alone is 43 MB of the 64 MiB a call may carry.
+# the full bitsandbytes wheel alone is 43 MB of the 64 MiB a call may carry. It travels as
+# .carry/usite.tgz (10 MB instead of 33: the tracked tree's logs grew past what both leave room for).
+[ -d .usite ] || { [ -f .carry/usite.tgz ] && tar xzf .carry/usite.tgz; }
 [ -d .usite ] && export PYTHONPATH=$PYTHONPATH:$PWD/.usite
