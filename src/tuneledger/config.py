@@ -67,6 +67,9 @@ class JobConfig(BaseModel):
     # double quantization's absmax dequantized once at load (nf4.py): one kernel per weight
     # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B. Off until measured
     absmax_once: bool = False
+    # LLaMA-Factory's key: Unsloth's FastLanguageModel as the model backend where Unsloth is installed
+    # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above
+    use_unsloth: bool = False
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

@@ -115,8 +115,6 @@ ONLY: dict[str, Only] = {
                          "mask_history is not supported: every assistant turn is supervised", "false"),
     "streaming": Only(lambda v: not v, "datasets are tokenized and cached before training",
                       "streaming is not supported: the data is tokenized into a cache first (`make stats`)", "false"),
-    "use_unsloth": Only(lambda v: not v, "plain transformers + peft", "use_unsloth is not supported; remove it "
-                        "(make dryrun shows where the step's time goes)", "false"),
     "use_dora": Only(lambda v: not v, "plain LoRA", "use_dora is not supported: tuneledger trains plain LoRA", "false"),
     "use_rslora": Only(lambda v: not v, "plain LoRA scaling (alpha / rank)",
                        "use_rslora is not supported: set lora_alpha for the scaling you want", "false"),

@@ -147,6 +147,13 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # bf16 is the GPU's compute type. CPUs without native bf16 (no AVX512-BF16/AMX) emulate it: a
     # bf16 matmul ran at 1.6 GFLOP/s against fp32's 64 on CI's 2-core EPYC, so a CPU run is fp32.
     dtype = torch.bfloat16 if cfg.bf16 and device.type == "cuda" else torch.float32
+    if cfg.use_unsloth:  # Unsloth's model and LoRA, its own kernels (unsloth_backend.py; checked at preflight)
+        from tuneledger import unsloth_backend
+
+        model, levers = unsloth_backend.load(cfg, device, dtype)
+        base = model.get_base_model()
+        attn = str(getattr(base.config, "_attn_implementation", None) or "sdpa")
+        return model, _info(model, cfg, attn, levers, dtype, *_sizes(base))
     wanted = {k: getattr(cfg, k) for k in ("enable_liger_kernel", "fused_lora", "grouped_lora", "torch_compile")}
     if cfg.sharded:  # preset F (sharding.py): FSDP2 needs a newer torch, and some levers are not proven there
         from tuneledger import sharding
@@ -171,10 +178,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     model.config.use_cache = False
     levers = {"attention": attn_why, "liger": _lever(speed.apply_liger, model, wanted["enable_liger_kernel"], device.type,
                                                      compiled.compile_planned(wanted["torch_compile"], device.type))}
-    layer_classes = sorted(set(getattr(model, "_no_split_modules", None) or []))
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters()) if layers else 0
+    layer_classes, weights_bytes, layer_bytes = _sizes(model)
 
     for p in model.parameters():
         p.requires_grad_(False)
@@ -213,8 +217,23 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
                                        "and Unsloth's default) to skip it" if levers["fused_lora"].startswith("on") else
                                        "peft's dropout keeps a copy of each projection's input; the fused projection "
                                        "(fused_lora) keeps none")
+    return model, _info(model, cfg, attn, levers, dtype, layer_classes, weights_bytes, layer_bytes)
+
+
+def _sizes(model: Any) -> tuple[list, int, int]:
+    """The base model's FSDP unit classes, its bytes as stored on the device and one decoder layer's."""
+    layer_classes = sorted(set(getattr(model, "_no_split_modules", None) or []))
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters()) if layers else 0
+    return layer_classes, weights_bytes, layer_bytes
+
+
+def _info(model: Any, cfg: Any, attn: str, levers: dict, dtype: Any, layer_classes: list, weights_bytes: int,
+          layer_bytes: int) -> dict:
+    """load_model's info dict for the peft model."""
     trainable, total = model.get_nb_trainable_parameters()
-    info = {
+    return {
         "trainable_params": int(trainable), "total_params": int(total),
         "trainable_pct": round(100 * trainable / total, 2),
         "attention": attn, "levers": levers, "dtype": str(dtype).replace("torch.", ""),
@@ -228,4 +247,3 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
         "weights_mib": round(weights_bytes / 2**20, 1), "layer_mib": round(layer_bytes / 2**20, 1),
         "layer_classes": layer_classes,
     }
-    return model, info

@@ -364,6 +364,11 @@ def check_levers(cfg: Any, device_type: str) -> str:
     with torch_compile: false, and grouped_lora: true with lora_dropout > 0 or fused_lora: false
     (with checkpointing inside compiled layers: check_preset_levers, per preset)."""
     _, attention = pick_attention(cfg.flash_attn, cfg.packing, device_type)
+    if cfg.use_unsloth:
+        from tuneledger import unsloth_backend
+
+        unsloth_backend.check(cfg, device_type)
+        return "Unsloth's own (use_unsloth)"
     if cfg.enable_liger_kernel:
         if device_type != "cuda":
             raise ValueError("enable_liger_kernel: true needs a CUDA GPU (Triton kernels); unset it or set it to false")

@@ -24,18 +24,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from tuneledger import unsloth_backend
 
-from tuneledger import quiet
-from tuneledger.checkpoints import best_checkpoint, last_checkpoint
-from tuneledger.config import JobConfig
-from tuneledger.guards import CrashAfterStep, NonFiniteGuard, SealCheckpoint, StopOnSignal, set_parent_death_signal
-from tuneledger.ledger import compiled, run_loss
-from tuneledger.nodes import check_same_nodes, host_name
-from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,
+unsloth_backend.import_first()  # use_unsloth: Unsloth patches transformers and peft as it imports, so first
+
+import torch  # noqa: E402
+
+from tuneledger import quiet  # noqa: E402
+from tuneledger.checkpoints import best_checkpoint, last_checkpoint  # noqa: E402
+from tuneledger.config import JobConfig  # noqa: E402
+from tuneledger.guards import CrashAfterStep, NonFiniteGuard, SealCheckpoint, StopOnSignal, set_parent_death_signal  # noqa: E402
+from tuneledger.ledger import compiled, run_loss  # noqa: E402
+from tuneledger.nodes import check_same_nodes, host_name  # noqa: E402
+from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,  # noqa: E402
                                time_warm_compile)
-from tuneledger.progress import LogLine, StepProgress
-from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, make_collator, time_loss_plot, training_args
+from tuneledger.progress import LogLine, StepProgress  # noqa: E402
+from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, make_collator, time_loss_plot, training_args  # noqa: E402
 
 
 def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:

@@ -1,0 +1,80 @@
+"""`use_unsloth` (LLaMA-Factory's key): Unsloth's FastLanguageModel as the model backend, where
+Unsloth is installed. A LLaMA-Factory user keeps that choice, and `make bench` measures it with
+tuneledger's own dry-run beside the default levers. Unsloth is not in the lock or the pinned image:
+it is optional, found at run time, and refused with the reason where it cannot run.
+
+Unsloth patches transformers and peft as it imports, so it must come first in the rank's process:
+the launcher sets TUNELEDGER_USE_UNSLOTH=1 and tuneledger.worker imports it before anything else
+(import_first). The model then loads with FastLanguageModel.from_pretrained (4-bit NF4 when
+`quantization_bit: 4`) and gets LoRA from FastLanguageModel.get_peft_model with the config's rank,
+alpha, dropout, targets and seed; gradient checkpointing is Unsloth's own ("unsloth": offloaded to
+the CPU). The rest of the run (Trainer, data, ledger) is tuneledger's. tuneledger's own model levers
+(fused LoRA, grouped LoRA, compiled layers, Liger, absmax_once) are off: Unsloth brings its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+ENV = "TUNELEDGER_USE_UNSLOTH"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# tuneledger's own model levers, which Unsloth's patched model replaces.
+OWN_LEVERS = ("enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "torch_compile", "compile_cpp_wrapper")
+
+
+def import_first() -> None:
+    """In a rank's process, before transformers and peft import: import Unsloth when the launcher
+    asked for it (ENV). Raises ImportError (Unsloth's own message) when it cannot import."""
+    if os.environ.get(ENV) == "1":
+        os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # no network: Unsloth's statistics call hangs offline
+        import unsloth  # noqa: F401
+
+
+def check(cfg: Any, device_type: str) -> None:
+    """Preflight for use_unsloth: true. Raises ValueError naming the key and the fix: Unsloth not
+    installed, no CUDA GPU, preset F (FSDP2), packing (its padding-free path is not measured here),
+    or one of tuneledger's own model levers set to true beside it."""
+    if not cfg.use_unsloth:
+        return
+    if importlib.util.find_spec("unsloth") is None:
+        raise ValueError("use_unsloth: true, but unsloth is not installed here (it is optional, not in the pinned "
+                         "image): pip install unsloth, or set use_unsloth=false (tuneledger's own levers)")
+    if device_type != "cuda":
+        raise ValueError("use_unsloth: true needs a CUDA GPU (Unsloth's Triton kernels); set use_unsloth=false")
+    if cfg.sharded:
+        raise ValueError("use_unsloth: true cannot run as preset F (FSDP2): Unsloth loads one whole copy per rank; "
+                         "use preset A-D, or set use_unsloth=false")
+    if cfg.packing:
+        raise ValueError("use_unsloth: true runs padded micro-batches here (Unsloth's padding-free path is not "
+                         "measured): set packing=false (preset D packs), or set use_unsloth=false")
+    asked = [k for k in OWN_LEVERS if getattr(cfg, k, None)]
+    if asked:
+        raise ValueError(f"use_unsloth: true replaces tuneledger's own model levers, but {', '.join(asked)} "
+                         f"{'is' if len(asked) == 1 else 'are'} set to true: unset {'it' if len(asked) == 1 else 'them'}, "
+                         "or set use_unsloth=false")
+
+
+def load(cfg: Any, device: Any, dtype: Any) -> tuple[Any, dict]:
+    """The model through Unsloth: (peft model, levers). Shapes and types as model.load_model's."""
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=cfg.model_name_or_path, max_seq_length=cfg.cutoff_len, dtype=dtype,
+        load_in_4bit=cfg.quantization_bit == 4, local_files_only=True,
+        device_map={"": device.index if device.type == "cuda" else "cpu"})
+    target = TARGETS if cfg.lora_target == "all" else [t.strip() for t in cfg.lora_target.split(",")]
+    model = FastLanguageModel.get_peft_model(
+        model, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=target,
+        bias="none", use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False,
+        random_state=cfg.seed)
+    FastLanguageModel.for_training(model)
+    model.config.use_cache = False
+    import unsloth
+
+    version = getattr(unsloth, "__version__", "?")
+    levers = {"unsloth": f"on (Unsloth {version}: its own kernels and LoRA"
+                         f"{'; its offloaded checkpointing' if cfg.gradient_checkpointing else ''})"}
+    levers.update({k: "off (use_unsloth)" for k in ("liger", "fused_lora", "compile")})
+    return model, levers
