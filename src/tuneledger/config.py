@@ -70,6 +70,9 @@ class JobConfig(BaseModel):
     # LLaMA-Factory's key: Unsloth's FastLanguageModel as the model backend where Unsloth is installed
     # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above
     use_unsloth: bool = False
+    # padded micro-batches train without their attention mask (right padding makes causal attention
+    # alone exact: trainer.padding_mask_lever), so SDPA runs its flash kernel. Off until measured
+    drop_padding_mask: bool = False
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

@@ -34,9 +34,10 @@ class LedgerTrainer(Trainer):
     the stock one walks every parameter on every micro-batch, a host cost at small micro-batches.
     """
 
-    def __init__(self, *a, n_params: int = 0, **kw):
+    def __init__(self, *a, n_params: int = 0, drop_padding_mask: bool = False, **kw):
         super().__init__(*a, **kw)
         self.n_params = n_params
+        self.drop_padding_mask = drop_padding_mask  # padding_mask_lever's decision
         self.replay = False  # dry-run: train_dataset is already in the real run's order (replay_order)
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
         self.step_tokens: list[torch.Tensor] = []  # running count at each step end (no sync)
@@ -55,6 +56,8 @@ class LedgerTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
+        if self.drop_padding_mask and mask is not None:
+            inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
         loss = super().training_step(model, inputs, num_items_in_batch)
         # The micro-batch losses of a step add up to the step's loss, as the Trainer logs it
         # (each is scaled by the step's token count or the accumulation); kept on the device.
@@ -229,6 +232,22 @@ def time_loss_plot(png: Path, points: int) -> dict:
         times.append(time.perf_counter() - t0)
     png.unlink(missing_ok=True)
     return {"first_s": times[0], "next_s": times[1], "points": len(state.log_history)}
+
+
+def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
+    """drop_padding_mask: whether training steps drop the padded micro-batch's attention mask, and
+    the ledger's line. Exact with right padding: a real token attends only to earlier positions,
+    all of them real, so the causal mask alone gives every supervised token (and the loss) the
+    same attention. Without a padding mask transformers skips its all-ones check (a host sync) and
+    SDPA runs is_causal, its flash kernel, instead of the masked memory-efficient one. Pad
+    positions then attend to the tokens before them; their outputs are never supervised (label -100)."""
+    if not cfg.drop_padding_mask:
+        return False, "off"
+    if cfg.packing:
+        return False, "off (packed rows carry no padding mask)"
+    if getattr(tokenizer, "padding_side", "right") != "right":
+        return False, f"off (padding on the {tokenizer.padding_side}: the mask is needed)"
+    return True, "on (right padding: the causal mask alone, no padding mask)"
 
 
 def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> Any:

@@ -39,7 +39,8 @@ from tuneledger.nodes import check_same_nodes, host_name  # noqa: E402
 from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,  # noqa: E402
                                time_warm_compile)
 from tuneledger.progress import LogLine, StepProgress  # noqa: E402
-from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, make_collator, time_loss_plot, training_args  # noqa: E402
+from tuneledger.trainer import (LedgerTrainer, LogLastStep, PlotLoss, make_collator, padding_mask_lever, time_loss_plot,  # noqa: E402
+                               training_args)
 
 
 def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
@@ -113,10 +114,13 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         from tuneledger.sharding import describe as sharding_line
 
         info["levers"]["sharding"] = sharding_line(args)
+    drop_mask, line = padding_mask_lever(cfg, tokenizer)
+    if cfg.drop_padding_mask:  # named only when asked for (default off until measured)
+        info["levers"]["drop_padding_mask"] = line
     trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer, info["attention"]), processing_class=tokenizer,
                             callbacks=[timer, *([stopper] if stopper else []), guard, seal],
-                            n_params=info["total_params"])
+                            n_params=info["total_params"], drop_padding_mask=drop_mask)
     # The Trainer's raw log dicts: in train, LogLine prints them as lines; in a dry-run, which replays
     # steps from across the run, their eta_h and epoch contradict the dry-run's own ETA and
     # StepProgress prints what is true (disable_tqdm=True always makes PrinterCallback the printer).
