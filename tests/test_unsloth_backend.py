@@ -42,11 +42,24 @@ def test_not_installed_is_refused_with_the_fix(monkeypatch):
     ({"preset": "F"}, "cuda", "preset F"),
     ({"packing": True}, "cuda", "set packing=false"),
     ({"fused_lora": True}, "cuda", "fused_lora is set to true"),
+    ({"quantization_bit": 4, "quantization_type": "fp4"}, "cuda", "NF4 with double quantization only"),
+    ({"quantization_bit": 4, "double_quantization": False}, "cuda", "NF4 with double quantization only"),
+    ({"flash_attn": "sdpa"}, "cuda", "picks its own attention"),
     ({"grouped_lora": True, "torch_compile": True, "lora_dropout": 0}, "cuda", "grouped_lora, torch_compile are set"),
 ])
 def test_what_cannot_run_beside_it_is_refused(fake_unsloth, over, device, says):
     with pytest.raises(ValueError, match=says):
         unsloth_backend.check(_cfg(**over), device)
+
+
+def test_each_resolved_preset_is_checked(fake_unsloth):
+    """The base config passes; preset D packs and F shards, which only the resolved preset shows."""
+    from tuneledger.dryrun import plan
+
+    rows = dict(plan(["model_name_or_path=m", "dataset=x.json", "use_unsloth=true"], ["C", "D", "F"], 1, "cuda"))
+    assert rows["C"].use_unsloth
+    assert "preset D: use_unsloth: true runs padded" in str(rows["D"])
+    assert "preset F: use_unsloth: true cannot run as preset F" in str(rows["F"])
 
 
 def test_llamafactory_key_is_taken_not_refused(tmp_path):
@@ -84,9 +97,11 @@ def test_load_model_goes_through_fastlanguagemodel(fake_unsloth, tiny_model):
 
     assert unsloth.CALLS["from_pretrained"]["model_name"] == str(tiny_model)
     assert unsloth.CALLS["from_pretrained"]["load_in_4bit"] is False
+    assert unsloth.CALLS["from_pretrained"]["use_exact_model_name"] is True  # never a pre-quantized stand-in
+    assert unsloth.CALLS["for_training"] == "unsloth"
     assert unsloth.CALLS["get_peft_model"] == dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=unsloth_backend.TARGETS,
                                                    use_gradient_checkpointing="unsloth", random_state=5)
-    assert info["levers"]["unsloth"].startswith("on (Unsloth 0.0-fake") and "offloaded checkpointing" in info["levers"]["unsloth"]
+    assert info["levers"]["unsloth"].startswith("on (Unsloth 0.0-fake") and "its own gradient checkpointing" in info["levers"]["unsloth"]
     assert info["levers"]["fused_lora"] == "off (use_unsloth)"
     assert info["trainable_params"] > 0 and info["layer_classes"]
     x = torch.randint(0, 100, (1, 16))

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tuneledger import unsloth_backend
 from tuneledger import eta as eta_
 from tuneledger import ledger
 from tuneledger.checkpoints import time_publish
@@ -210,6 +211,7 @@ def plan(items: list[str], names: list[str], world: int, device_type: str = "cud
             if cfg.grouped_lora:  # torch is imported only for a lever that needs the check
                 from tuneledger.speed import check_preset_levers
                 check_preset_levers(cfg, device_type, name)
+            unsloth_backend.check_preset(cfg, device_type, name)  # D packs, F shards: per resolved preset
             out.append((name, cfg))
         except ConfigError as e:
             out.append((name, e))

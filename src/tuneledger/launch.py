@@ -326,8 +326,11 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "torchinductor"))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, nproc))))
     env["PYTHONUNBUFFERED"] = "1"
+    # The ranks import Unsloth before transformers (unsloth_backend.import_first), and only then: a
+    # value left in the shell must not patch a run that did not ask for it.
+    env.pop("TUNELEDGER_USE_UNSLOTH", None)
     if job.get("config", {}).get("use_unsloth"):
-        env["TUNELEDGER_USE_UNSLOTH"] = "1"  # the ranks import Unsloth before transformers (unsloth_backend.import_first)
+        env["TUNELEDGER_USE_UNSLOTH"] = "1"
     if job.get("cpu"):
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif nodes and nodes.multi:

@@ -237,7 +237,9 @@ def _info(model: Any, cfg: Any, attn: str, levers: dict, dtype: Any, layer_class
         "trainable_params": int(trainable), "total_params": int(total),
         "trainable_pct": round(100 * trainable / total, 2),
         "attention": attn, "levers": levers, "dtype": str(dtype).replace("torch.", ""),
-        "quantization": f"{cfg.quantization_type} 4-bit, double quant {cfg.double_quantization}" if cfg.quantization_bit else "none",
+        "quantization": (f"{cfg.quantization_type} 4-bit, double quant {cfg.double_quantization}"
+                         + (" (absmax fp32 from load: absmax_once)" if str(levers.get("absmax_once", "")).startswith("on")
+                            else "") if cfg.quantization_bit else "none"),
         "synthetic": bool(getattr(model.config, "tuneledger_synthetic", None)),
         # N of the MFU formula: every weight a token passes through in matmuls (lm_head included,
         # the embedding lookup not).

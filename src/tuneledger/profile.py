@@ -28,7 +28,7 @@ CATEGORIES = (
     ("elementwise", ("at::native", "elementwise", "vectorized", "reduce", "copy", "fill", "index", "scatter", "gather")),
     ("fused Triton", ("_kernel",)),  # Liger's own kernel names (_rms_norm_forward_kernel, ...)
 )
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpyAsync")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # + cudaMemcpyAsync
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
@@ -45,8 +45,8 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     """One step's split. events: {"name", "kind" ("kernel" | "runtime" | "cpu_op"), "dur_us",
     "self_us"}; wall_s: the step's wall time (s). Returns {"wall_s", "kernel_s", "categories":
     {name: s}, "idle_s", "idle_share", "launches", "syncs", "sync_calls": {runtime call: count},
-    "top_cpu_ops": [(name, self s, calls)]}. A cudaMemcpyAsync counts as a sync (a device-to-host
-    copy waits); sync_calls tells the kinds apart.
+    "top_cpu_ops": [(name, self s, calls)]}. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
+    host waits; the profiler does not say which way a copy went); sync_calls tells the kinds apart.
     Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
     cats: dict[str, float] = {}
     launches = syncs = 0

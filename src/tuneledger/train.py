@@ -20,6 +20,7 @@ from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
+from tuneledger import unsloth_backend
 from tuneledger import eta as eta_
 from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
 from tuneledger.config import JobConfig, describe, resolve
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             if cfg.grouped_lora:  # torch is imported only for a lever that needs the check
                 from tuneledger.speed import check_preset_levers
                 check_preset_levers(cfg, "cpu" if cpu else "cuda")
+            unsloth_backend.check_preset(cfg, "cpu" if cpu else "cuda")  # D packs, F shards: per resolved preset
             out = cfg.out_dir
             # Each node's launcher holds its own lock in the shared run folder (run.lock, run-node1.lock).
             with RunLock(out, f"run{nodes.suffix()}.lock") as lock:

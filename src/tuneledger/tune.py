@@ -184,6 +184,8 @@ def try_levers(space: list[ts.Candidate], levers: list[tuple[str, str]], info: d
             v.status, v.reason = "not measured", f"cannot run with the pick's settings: {e}"
         if cfg.compile_cpp_wrapper and not compile_planned(cfg.torch_compile, device):
             v.status, v.reason = "not measured", "nothing is compiled here: the C++ wrapper would change nothing"
+        if cfg.absmax_once and (cfg.quantization_bit != 4 or not cfg.double_quantization or cfg.sharded):
+            v.status, v.reason = "not measured", "no double-quantized weight here: absmax_once would change nothing"
     left = None if budget_s is None else budget_s - info["elapsed_s"]
     if left is not None and left <= 0:
         for v in variants:

@@ -38,11 +38,21 @@ def check(cfg: Any, device_type: str) -> None:
     or one of tuneledger's own model levers set to true beside it."""
     if not cfg.use_unsloth:
         return
+    if device_type != "cuda":
+        raise ValueError("use_unsloth: true needs a CUDA GPU (Unsloth's Triton kernels); set use_unsloth=false")
     if importlib.util.find_spec("unsloth") is None:
         raise ValueError("use_unsloth: true, but unsloth is not installed here (it is optional, not in the pinned "
                          "image): pip install unsloth, or set use_unsloth=false (tuneledger's own levers)")
-    if device_type != "cuda":
-        raise ValueError("use_unsloth: true needs a CUDA GPU (Unsloth's Triton kernels); set use_unsloth=false")
+    # Unsloth loads 4-bit as NF4 with double quantization and picks its own attention: a config that
+    # says otherwise would be ignored and then mis-reported in the ledger.
+    if cfg.quantization_bit not in (None, 4) or (cfg.quantization_bit == 4 and (
+            cfg.quantization_type != "nf4" or not cfg.double_quantization)):
+        raise ValueError("use_unsloth: true loads 4-bit weights as NF4 with double quantization only: set "
+                         "quantization_bit=4 (or null), quantization_type=nf4 and double_quantization=true, "
+                         "or set use_unsloth=false")
+    if cfg.flash_attn != "auto":
+        raise ValueError(f"use_unsloth: true picks its own attention, but flash_attn is {cfg.flash_attn}: unset "
+                         "flash_attn, or set use_unsloth=false")
     if cfg.sharded:
         raise ValueError("use_unsloth: true cannot run as preset F (FSDP2): Unsloth loads one whole copy per rank; "
                          "use preset A-D, or set use_unsloth=false")
@@ -56,25 +66,38 @@ def check(cfg: Any, device_type: str) -> None:
                          "or set use_unsloth=false")
 
 
+def check_preset(cfg: Any, device_type: str, name: str | None = None) -> None:
+    """check() on one resolved preset (dryrun.plan, train): preset D packs and F shards, which the
+    base config does not show. Raises ConfigError naming the preset."""
+    try:
+        check(cfg, device_type)
+    except ValueError as e:
+        from tuneledger.config import ConfigError
+
+        raise ConfigError((f"preset {name}: " if name else "") + str(e)) from None
+
+
 def load(cfg: Any, device: Any, dtype: Any) -> tuple[Any, dict]:
     """The model through Unsloth: (peft model, levers). Shapes and types as model.load_model's."""
     from unsloth import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
         model_name=cfg.model_name_or_path, max_seq_length=cfg.cutoff_len, dtype=dtype,
-        load_in_4bit=cfg.quantization_bit == 4, local_files_only=True,
-        device_map={"": device.index if device.type == "cuda" else "cpu"})
+        load_in_4bit=cfg.quantization_bit == 4, local_files_only=os.path.isdir(cfg.model_name_or_path),
+        # the model named, never one of Unsloth's pre-quantized repos in its place
+        use_exact_model_name=True, device_map={"": device.index if device.type == "cuda" else "cpu"})
     target = TARGETS if cfg.lora_target == "all" else [t.strip() for t in cfg.lora_target.split(",")]
     model = FastLanguageModel.get_peft_model(
         model, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=target,
         bias="none", use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False,
         random_state=cfg.seed)
-    FastLanguageModel.for_training(model)
+    # Passed again: older Unsloth releases' for_training turned checkpointing on by default.
+    FastLanguageModel.for_training(model, use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False)
     model.config.use_cache = False
     import unsloth
 
     version = getattr(unsloth, "__version__", "?")
     levers = {"unsloth": f"on (Unsloth {version}: its own kernels and LoRA"
-                         f"{'; its offloaded checkpointing' if cfg.gradient_checkpointing else ''})"}
+                         f"{'; its own gradient checkpointing' if cfg.gradient_checkpointing else ''})"}
     levers.update({k: "off (use_unsloth)" for k in ("liger", "fused_lora", "compile")})
     return model, levers
