@@ -7,7 +7,7 @@ import sys
 
 from tuneledger import launch
 
-PROBE = "import json, os; print('ENV ' + json.dumps({k: os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'PYTORCH_CUDA_ALLOC_CONF')}))"
+PROBE = "import json, os; print('ENV ' + json.dumps({k: os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'PYTORCH_CUDA_ALLOC_CONF', 'TUNELEDGER_USE_UNSLOTH')}))"
 
 
 def _rank_env(tmp_path, monkeypatch, job: dict, **env) -> dict:
@@ -35,3 +35,10 @@ def test_a_users_inductor_cache_is_kept(tmp_path, monkeypatch):
     env = _rank_env(tmp_path, monkeypatch, {"config": {"cache_dir": str(tmp_path / "cache")}},
                     TORCHINDUCTOR_CACHE_DIR="/somewhere/else")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
+
+
+def test_ranks_import_unsloth_only_when_the_config_asks(tmp_path, monkeypatch):
+    """use_unsloth: the ranks get the variable that makes them import Unsloth first; a value left
+    in the shell never reaches a run that did not ask (Unsloth patches transformers as it imports)."""
+    assert _rank_env(tmp_path, monkeypatch, {"config": {"use_unsloth": True}})["TUNELEDGER_USE_UNSLOTH"] == "1"
+    assert _rank_env(tmp_path, monkeypatch, {"config": {}}, TUNELEDGER_USE_UNSLOTH="1")["TUNELEDGER_USE_UNSLOTH"] is None
