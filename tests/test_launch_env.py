@@ -40,5 +40,6 @@ def test_a_users_inductor_cache_is_kept(tmp_path, monkeypatch):
 def test_ranks_import_unsloth_only_when_the_config_asks(tmp_path, monkeypatch):
     """use_unsloth: the ranks get the variable that makes them import Unsloth first; a value left
     in the shell never reaches a run that did not ask (Unsloth patches transformers as it imports)."""
-    assert _rank_env(tmp_path, monkeypatch, {"config": {"use_unsloth": True}})["TUNELEDGER_USE_UNSLOTH"] == "1"
-    assert _rank_env(tmp_path, monkeypatch, {"config": {}}, TUNELEDGER_USE_UNSLOTH="1")["TUNELEDGER_USE_UNSLOTH"] is None
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()  # a log each: launch.log is appended to
+    assert _rank_env(tmp_path / "a", monkeypatch, {"config": {"use_unsloth": True}})["TUNELEDGER_USE_UNSLOTH"] == "1"
+    assert _rank_env(tmp_path / "b", monkeypatch, {"config": {}}, TUNELEDGER_USE_UNSLOTH="1")["TUNELEDGER_USE_UNSLOTH"] is None
