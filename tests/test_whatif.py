@@ -245,3 +245,22 @@ def test_steps_against_and_the_edge_of_memory_are_checked():
     # D on 8 x 4090 comes within the memory model's error of the 23 GiB usable: said, not a plain "fits"
     r = tuneledger(one, "--gpus", "8x4090-pcie", "--preset", "D")
     assert "fits, BORDERLINE" in r.stdout and "predicted for 8 x NVIDIA GeForce RTX 4090 (not measured)" in r.stdout
+
+
+def test_absmax_once_counts_the_fp32_absmax_of_single_quantization():
+    """absmax_once (nf4.py) keeps each block's absmax in fp32 after load: the weights' static bytes are
+    single quantization's 0.5 + 4/64 per weight, not double quantization's, and the activations the
+    measured peak leaves over shrink by the difference."""
+    hw, n = parse_gpus("1xh200-sxm")
+    led = whatif.load_ledger(SCALING / "dryrun-1gpu.json")
+    plain = {p["preset"]: p for p in whatif.predict_all(led, args(gpus="1xh200-sxm"), hw, n)[1]}
+    for row in led["presets"]:
+        row["config"]["absmax_once"] = True
+    once = {p["preset"]: p for p in whatif.predict_all(led, args(gpus="1xh200-sxm"), hw, n)[1]}
+    for k, p in once.items():
+        grew = p["memory"]["weights_4bit"] - plain[k]["memory"]["weights_4bit"]
+        per_weight = (0.5 + 4 / 64) - (0.5 + 1 / 64 + 4 / (64 * 256))
+        assert grew > 0
+        assert grew / per_weight == pytest.approx(plain[k]["memory"]["weights_4bit"] / (0.5 + 1 / 64 + 4 / (64 * 256)))
+        assert p["memory"]["activations"] == pytest.approx(plain[k]["memory"]["activations"] - grew, rel=1e-9)
+        assert p["memory"]["total"] == pytest.approx(plain[k]["memory"]["total"], rel=1e-9)  # same target

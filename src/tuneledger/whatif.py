@@ -199,10 +199,12 @@ def predict_all(led: dict, args: argparse.Namespace, hw: Hardware, n: int) -> tu
     cost = cm.ledger_launch_cost(sources)
     cfg = led["presets"][0]["config"]
     quant = cfg.get("quantization_type", "nf4") if cfg.get("quantization_bit") else None
+    # absmax_once keeps the absmax in fp32 after load: the bytes of single quantization (nf4.py).
+    double_quant = bool(cfg.get("double_quantization", True)) and not cfg.get("absmax_once", False)
     preds = []
     for s in sources:
         try:
-            preds.append(cm.predict(s, src_hw, hw, n, cost, quant, bool(cfg.get("double_quantization", True))))
+            preds.append(cm.predict(s, src_hw, hw, n, cost, quant, double_quant))
         except ValueError as e:
             raise WhatifError(f"--gpus {args.gpus}: preset {s['preset']}: {e}") from None
     return sources, preds, {"src_hw": src_hw, "rates": r, "launch_cost_s": cost}
