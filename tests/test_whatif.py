@@ -87,6 +87,9 @@ def test_every_part_of_a_hand_made_ledger_on_a_hand_made_gpu(tmp_path):
     p = cm.predict(src, src_hw, hw, n, None)
     share = 800 / 989.5  # the measured GPU's 8192^3 benchmark against its datasheet
     assert p["gpu"]["matmul"] == pytest.approx(1.52e12 / (100e12 * share * 0.5))
+    # the rate printed beside the matmul time is the one that time was computed at
+    assert p["matmul_tflops"] == pytest.approx(100 * share * 0.5)
+    assert 1.52e12 / (p["matmul_tflops"] * 1e12) == pytest.approx(p["gpu"]["matmul"])
     assert p["gpu"]["attention"] == pytest.approx(1e-3 * 4.8) and p["gpu"]["dequant"] == pytest.approx(2.8125e-3 * 4.8)
     assert p["host_s"] == pytest.approx(0.245) and p["micro_s"] == pytest.approx(0.245) and p["bound"] == "host"
     assert (p["micro_batch"], p["ga"]) == (1, 1)

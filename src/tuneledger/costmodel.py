@@ -256,8 +256,8 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     sd_micro = v * cv / math.sqrt(mb)
     # Only micro-batches the GPU sets the pace of vary with their lengths: the share of them whose GPU
     # time (normal around g, sd_micro) exceeds the host's.
-    share = 1.0 if host is None else statistics.NormalDist().cdf((g - host) / sd_micro) if sd_micro else float(g >= host)
-    sync = expected_max(n) * share * sd_micro * math.sqrt(ga)
+    paced = 1.0 if host is None else statistics.NormalDist().cdf((g - host) / sd_micro) if sd_micro else float(g >= host)
+    sync = expected_max(n) * paced * sd_micro * math.sqrt(ga)
     over = src["overheads"]
     step = {"micro_batches": ga * micro, "allreduce": ar["s"], "sync_wait": sync,
             "optimizer": over["optimizer_s"] * bw, "data_wait": over["data_wait_s"]}
@@ -267,7 +267,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     return {"preset": src["preset"], "gpus": n, "hardware": hw.name, "micro_batch": mb, "ga": ga, "gc": src["gc"],
             "packing": src["packing"], "tokens_real": t, "tokens_processed": p, "gpu": gpu, "gpu_s": g,
             "host_s": host, "launches": src["launches"], "launch_cost_s": cost, "micro_s": micro,
-            "bound": "GPU" if gpu_bound else "host", "gpu_bound_share": share, "allreduce": ar, "step": step, "s_per_step": s_step,
+            "bound": "GPU" if gpu_bound else "host", "gpu_bound_share": paced, "allreduce": ar, "step": step, "s_per_step": s_step,
             "tokens_per_s": tokens_step / s_step, "tokens_per_s_per_gpu": tokens_step / s_step / n,
             "matmul_tflops": hw.bf16_tflops * share * r["e"], "memory": mem,
             "fits": mem["total"] <= hw.usable_gib * GIB, "usable_gib": hw.usable_gib}
