@@ -76,6 +76,21 @@ def test_bad_values_name_the_key():
         load_config(REF, ["per_device_train_batch_size=0"])
     with pytest.raises(ConfigError, match="unknown preset 'E'"):
         load_config(REF, ["preset=E"])
+    for bad in ("absmax_once=maybe", "drop_padding_mask=2"):  # a switch's error says what it takes
+        with pytest.raises(ConfigError, match=f"{bad.split('=')[0]}: .*use true or false.*got '?{bad.split('=')[1]}'?"):
+            load_config(REF, [bad])
+
+
+def test_levers_that_contradict_each_other_are_bad_input():
+    """Refused as the config loads (exit 2, whatever the machine), naming both keys and the fix."""
+    for items, says in ((["grouped_lora=true", "lora_dropout=0.05"], "grouped_lora: true needs lora_dropout 0"),
+                        (["grouped_lora=true", "lora_dropout=0", "fused_lora=false"], "grouped_lora: true needs the fused"),
+                        (["compile_cpp_wrapper=true", "torch_compile=false"], "compile_cpp_wrapper: true needs the compiled"),
+                        (["torch_compile=true", "fused_lora=false"], "torch_compile: true on a 4-bit model needs the fused")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(REF, items)
+    assert load_config(REF, ["grouped_lora=true", "lora_dropout=0"]).grouped_lora is True
+    assert load_config(REF, ["torch_compile=true", "fused_lora=false", "quantization_bit=null"]).torch_compile is True
 
 
 def test_from_cli_takes_file_and_overrides():

@@ -192,6 +192,28 @@ def test_second_process_is_refused_and_a_killed_holders_lock_is_taken_over(tmp_p
         assert lock.stale is None
 
 
+def test_a_second_dryrun_in_one_run_folder_is_refused_and_the_ledger_kept(tmp_path, tiny_model):
+    """Two dry-runs at once in one run folder would write one ledger: the second is refused before
+    any work, naming the holder, and the first's files are left as they were."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "dryrun.json").write_text("{}")
+    hold = HOLD.replace("RunLock(sys.argv[1])", "RunLock(sys.argv[1], 'dryrun.lock')")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        p = subprocess.run([sys.executable, "-m", "tuneledger", "dryrun", str(ROOT / "configs/tiny.yaml"),
+                            f"model_name_or_path={tiny_model}", f"output_dir={out}", "--cpu"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.returncode == 1 and f"in use by pid {holder.pid}" in p.stderr, p.stderr
+    assert "Two dry-runs in one run directory overwrite each other's ledger" in p.stderr
+    assert (out / "dryrun.json").read_text() == "{}" and not (out / "dryrun.log").exists()
+
+
 def test_cache_built_by_two_processes_at_once(tmp_path, tiny_model):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(40)))

@@ -185,6 +185,7 @@ def test_grouped_lora_is_refused_where_it_would_change_the_result(tiny_model):
 
 
 def test_the_ledger_names_grouped_lora_only_when_asked(tiny_model):
+    from tuneledger.config import ConfigError
     from tuneledger.model import PreflightError, load_model
 
     base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4}
@@ -192,8 +193,11 @@ def test_the_ledger_names_grouped_lora_only_when_asked(tiny_model):
     model, info = load_model(load_config(None, {**base, "grouped_lora": True}), "cpu")
     layers = model.config.num_hidden_layers
     assert info["levers"]["grouped_lora"] == f"on ({2 * layers} groups of {5 * layers} projections: q/k/v and gate/up)"
+    with pytest.raises(ConfigError, match="grouped_lora: true needs lora_dropout 0 \\(it is 0.1\\)"):
+        load_config(None, {**base, "grouped_lora": True, "lora_dropout": 0.1})  # bad input: refused as it loads
+    # and the model's own guard, for a config built around the validation (model_copy does not validate)
     with pytest.raises(PreflightError, match="grouped_lora: true cannot apply: lora_dropout"):
-        load_model(load_config(None, {**base, "grouped_lora": True, "lora_dropout": 0.1}), "cpu")
+        load_model(load_config(None, {**base, "grouped_lora": True}).model_copy(update={"lora_dropout": 0.1}), "cpu")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch
 
 from tuneledger import compiled, speed
 from tuneledger.config_load import load_config
+from tuneledger.config import ConfigError
 from tuneledger.data import encode
 from tuneledger.trainer import make_collator
 
@@ -190,10 +191,9 @@ def test_compile_is_auto_and_refuses_the_unsafe_4bit_path(tiny_model):
     with pytest.raises(ValueError, match="needs the fused LoRA projection"):
         compiled.compile_layers(model, True, "cuda", fused=False, quantized=True)
     assert compiled.compile_planned(None, "cpu") is False and compiled.compile_planned(True, "cpu") is True
-    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "fused_lora": False,
-                             "torch_compile": True, "quantization_bit": 4})
-    with pytest.raises(ValueError, match="needs the fused LoRA projection"):
-        speed.check_levers(cfg, "cuda")
+    with pytest.raises(ConfigError, match="needs the fused LoRA projection"):  # bad input: as the config loads
+        load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "fused_lora": False,
+                           "torch_compile": True, "quantization_bit": 4})
 
 
 def test_cpp_wrapper_is_a_key_the_ledger_names_and_refused_without_compile(tiny_model):
@@ -215,16 +215,14 @@ def test_cpp_wrapper_is_a_key_the_ledger_names_and_refused_without_compile(tiny_
         assert inductor_config.cpp_wrapper is False
         line = compiled.compile_layers(model, True, "cpu", fused=True, quantized=False, cpp_wrapper=True)
         assert "C++ wrapper" in line and inductor_config.cpp_wrapper is True
-    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "torch_compile": False,
-                             "compile_cpp_wrapper": True})
-    with pytest.raises(ValueError, match="compile_cpp_wrapper: true needs the compiled layers.*torch_compile is false"):
-        speed.check_levers(cfg, "cuda")
+    with pytest.raises(ConfigError, match="compile_cpp_wrapper: true needs the compiled layers.*torch_compile is false"):
+        load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "torch_compile": False,
+                           "compile_cpp_wrapper": True})
     assert load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]}).compile_cpp_wrapper is False
     for bad, says in (({"lora_dropout": 0.05}, "grouped_lora: true needs lora_dropout 0 \\(it is 0.05\\)"),
                       ({"fused_lora": False}, "grouped_lora: true needs the fused LoRA projection, but fused_lora is false")):
-        cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "grouped_lora": True, **bad})
-        with pytest.raises(ValueError, match=says):
-            speed.check_levers(cfg, "cuda")
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "grouped_lora": True, **bad})
 
 
 def _has_bnb() -> bool:

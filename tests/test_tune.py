@@ -220,7 +220,8 @@ def test_bad_input_exits_2_before_any_run(tmp_path):
     p = tl("tune", *base, "--levers", "grouped_lora=maybe")
     assert p.returncode == 2 and "grouped_lora" in p.stderr, p.stderr
     p = tl("tune", *base, "lora_dropout=0.05", "--levers", "grouped_lora=true")  # a lever the job cannot run
-    assert p.returncode == 2 and "--levers grouped_lora=true: grouped_lora: true needs lora_dropout 0" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--levers grouped_lora=true: " in p.stderr, p.stderr
+    assert "configs/tiny.yaml + overrides" in p.stderr and "grouped_lora: true needs lora_dropout 0" in p.stderr, p.stderr
     assert not (tmp_path / "run").exists()
 
 

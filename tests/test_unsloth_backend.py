@@ -35,6 +35,9 @@ def test_not_installed_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="use_unsloth: true, but unsloth is not installed.*pip install unsloth"):
         unsloth_backend.check(_cfg(), "cuda")
     unsloth_backend.check(_cfg(use_unsloth=False), "cuda")  # off: nothing to check
+    # no GPU and no Unsloth: both said at once, so that fixing one does not lead to the other
+    with pytest.raises(ValueError, match="needs a CUDA GPU.*and unsloth is not installed here.*set use_unsloth=false"):
+        unsloth_backend.check(_cfg(), "cpu")
 
 
 @pytest.mark.parametrize("over, device, says", [

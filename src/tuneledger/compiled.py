@@ -11,13 +11,9 @@ from typing import Any
 
 import torch
 
+from tuneledger.config import COMPILE_NEEDS_FUSED
+
 # ------------------------------------------------------------------------------------- compile
-# bitsandbytes' own 4-bit matmul (peft's path) keeps the quant state on its autograd ctx; a
-# compiled layer traces backward once for all layers and bakes that state in from one of them
-# (on an H200 the loss drifted 2.5e-3 from eager in 10 steps: bench/results/h200-2026-12-01-levers).
-COMPILE_NEEDS_FUSED = ("torch_compile: true on a 4-bit model needs the fused LoRA projection (fused_lora unset or "
-                       "true): bitsandbytes' own 4-bit matmul is not safe to compile. Unset fused_lora, or set "
-                       "torch_compile=false")
 COMPILE_MIN_TORCH = (2, 9)  # what the compiled path was measured on (2.11 on the H200); older: eager by default
 
 

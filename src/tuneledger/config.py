@@ -20,6 +20,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+# bitsandbytes' own 4-bit matmul (peft's path) keeps the quant state on its autograd ctx; a
+# compiled layer traces backward once for all layers and bakes that state in from one of them
+# (on an H200 the loss drifted 2.5e-3 from eager in 10 steps: bench/results/h200-2026-12-01-levers).
+COMPILE_NEEDS_FUSED = ("torch_compile: true on a 4-bit model needs the fused LoRA projection (fused_lora unset or "
+                       "true): bitsandbytes' own 4-bit matmul is not safe to compile. Unset fused_lora, or set "
+                       "torch_compile=false")
+
+
 class ConfigError(ValueError):
     """A config file, preset or override is wrong. The message names the file/key and the fix."""
 
@@ -243,6 +251,23 @@ class JobConfig(BaseModel):
     def sharded(self) -> bool:
         """True when the base is sharded over the ranks (fsdp set: preset F), False for pure DDP."""
         return bool(self.fsdp)
+
+    @model_validator(mode="after")
+    def _levers_agree(self) -> "JobConfig":
+        # Lever pairs that contradict each other whatever the machine: bad input, refused as the
+        # config loads (exit 2). What depends on the machine is speed.check_levers' (preflight).
+        if self.grouped_lora and self.lora_dropout:
+            raise ValueError(f"grouped_lora: true needs lora_dropout 0 (it is {self.lora_dropout:g}): a group would draw "
+                             "one dropout mask where peft draws one per projection. Set lora_dropout=0 or grouped_lora=false")
+        if self.grouped_lora and self.fused_lora is False:
+            raise ValueError("grouped_lora: true needs the fused LoRA projection, but fused_lora is false: unset "
+                             "fused_lora (on where it applies) or set grouped_lora=false")
+        if self.torch_compile and self.fused_lora is False and self.quantization_bit:
+            raise ValueError(COMPILE_NEEDS_FUSED)
+        if self.compile_cpp_wrapper and self.torch_compile is False:
+            raise ValueError("compile_cpp_wrapper: true needs the compiled layers, but torch_compile is false: unset "
+                             "torch_compile (on where it applies) or set compile_cpp_wrapper=false")
+        return self
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> "JobConfig":

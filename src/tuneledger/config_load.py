@@ -185,6 +185,8 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] =
     except ValidationError as e:
         for err in e.errors():
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "bool_parsing":  # pydantic says what it could not read, not what it takes
+                msg += ": use true or false (also yes/no, on/off, 1/0)"
             if not err["loc"]:
                 problems.append(msg)
                 continue

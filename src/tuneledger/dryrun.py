@@ -39,6 +39,7 @@ from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
 from tuneledger.data_report import run_data_hash
 from tuneledger.prepare import load_prepared, prepare_eval, prepare_for_training
+from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.sharding import peak_by_world
 
 
@@ -287,7 +288,13 @@ def run(args: argparse.Namespace) -> int:
     # train does); from the first preset on, run_workers' handlers and the partial ledger take over.
     with BeforeRanks() as before:
         try:
-            return _run(args, before)
+            # One dry-run per run folder at a time (train's run.lock is its own): two would write one ledger.
+            with RunLock(from_cli(args.items).out_dir, f"dryrun{from_args(args).suffix()}.lock",
+                         "Two dry-runs in one run directory overwrite each other's ledger (dryrun.json, .md, .log)."):
+                return _run(args, before)
+        except RunLocked as e:
+            print(f"tuneledger dryrun: {e}", file=sys.stderr)
+            return 1
         except StoppedBeforeStart as stop:
             before.restore()
             print(f"tuneledger dryrun: stopped by {stop.name} before any preset ran, while preparing the checks and the "

@@ -126,7 +126,10 @@ def check_disk(cfg: JobConfig, config: dict) -> str:
         raise PreflightError(f"{probe} has {free:,} bytes free; {plural(count, 'more checkpoint')} of {one:,} bytes ({basis}; "
                              f"save_total_limit={keep} + 1 written before rotation) need {need:,} with 10% margin. "
                              "Free space, lower save_total_limit, or set output_dir elsewhere")
-    return f"disk: {free / 1e9:.1f} GB free at {probe}, {plural(count, 'checkpoint')} of {one / 1e6:.1f} MB need ~{need / 1e9:.2g} GB"
+    # room for the most checkpoints the folder holds at once, not the run's count of saves (the ledger's)
+    return (f"disk: {free / 1e9:.1f} GB free at {probe}; room for {plural(count, 'checkpoint')} at once (save_total_limit "
+            f"{keep} + 1 written before rotation{f', less {have} already here' if have else ''}) of {one / 1e6:.1f} MB "
+            f"({basis}) needs ~{need / 1e9:.2g} GB")
 
 
 def check_data(cfg: JobConfig) -> None:

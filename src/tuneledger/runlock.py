@@ -1,4 +1,4 @@
-"""One training per run directory: an exclusive lock on runs/<run>/run.lock.
+"""One training per run directory: an exclusive lock on runs/<run>/run.lock (and one dry-run: dryrun.lock).
 
 The lock is flock(2) on the file, so the kernel releases it when the holder exits, however it
 exits (kill -9 included); the file's text (pid, host, start time, command) is only there to name
@@ -28,8 +28,10 @@ class RunLocked(RuntimeError):
 class RunLock:
     """`with RunLock(out_dir):` holds the lock for the block; raises RunLocked if another holds it."""
 
-    def __init__(self, out_dir: Path, name: str = LOCK_NAME):
+    def __init__(self, out_dir: Path, name: str = LOCK_NAME,
+                 clash: str = "Two trainings in one run directory overwrite each other's job.json and checkpoints."):
         self.path = Path(out_dir) / name
+        self.clash = clash  # what two holders at once would break, for the refusal
         self.created = False  # this lock made the run folder: a start that stops early removes it again
         self.fd: int | None = None
         self.stale: dict | None = None  # what a dead holder left, if anything
@@ -45,9 +47,8 @@ class RunLock:
             os.close(fd)
             who = (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')} "
                    f"({holder.get('command')})") if holder else "another process (it has not written its pid yet)"
-            raise RunLocked(f"{self.path.parent} is in use by {who}. Two trainings in one run directory overwrite "
-                            "each other's job.json and checkpoints. Wait for it to finish, stop it, or use another "
-                            "run_name / output_dir.") from None
+            raise RunLocked(f"{self.path.parent} is in use by {who}. {self.clash} Wait for it to finish, stop it, "
+                            "or use another run_name / output_dir.") from None
         self.stale = _read(fd) or None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),

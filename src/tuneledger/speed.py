@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tuneledger.compiled import COMPILE_NEEDS_FUSED, checkpoint_inside_planned, dequant_in_graph
+from tuneledger.compiled import checkpoint_inside_planned, dequant_in_graph
 
 VARLEN = "tuneledger_varlen"  # our attention function's name in transformers' AttentionInterface
 
@@ -360,9 +360,10 @@ def check_levers(cfg: Any, device_type: str) -> str:
 
     Returns the attention line. Raises ValueError naming the key and the fix for an attention
     backend that cannot run here, enable_liger_kernel: true off a GPU or without liger-kernel,
-    torch_compile: true on a torch without torch.compile's GPU backend, compile_cpp_wrapper: true
-    with torch_compile: false, and grouped_lora: true with lora_dropout > 0 or fused_lora: false
-    (with checkpointing inside compiled layers: check_preset_levers, per preset)."""
+    and use_unsloth's own checks (unsloth_backend.check). Levers that contradict each other
+    whatever the machine (grouped_lora with dropout, compile_cpp_wrapper without compile, ...)
+    are refused as the config loads (config.JobConfig._levers_agree); grouped_lora with
+    checkpointing inside compiled layers per preset (check_preset_levers)."""
     _, attention = pick_attention(cfg.flash_attn, cfg.packing, device_type)
     if cfg.use_unsloth:
         from tuneledger import unsloth_backend
@@ -377,17 +378,6 @@ def check_levers(cfg: Any, device_type: str) -> str:
         except ImportError as e:
             raise ValueError(f"enable_liger_kernel: true, but liger-kernel does not import ({e}); pip install "
                              "liger-kernel, or set enable_liger_kernel=false") from None
-    if cfg.torch_compile and cfg.fused_lora is False and cfg.quantization_bit:
-        raise ValueError(COMPILE_NEEDS_FUSED)
-    if cfg.grouped_lora and cfg.lora_dropout:
-        raise ValueError(f"grouped_lora: true needs lora_dropout 0 (it is {cfg.lora_dropout:g}): a group would draw one "
-                         "dropout mask where peft draws one per projection. Set lora_dropout=0 or grouped_lora=false")
-    if cfg.grouped_lora and cfg.fused_lora is False:
-        raise ValueError("grouped_lora: true needs the fused LoRA projection, but fused_lora is false: unset fused_lora "
-                         "(on where it applies) or set grouped_lora=false")
-    if cfg.compile_cpp_wrapper and cfg.torch_compile is False:
-        raise ValueError("compile_cpp_wrapper: true needs the compiled layers, but torch_compile is false: unset "
-                         "torch_compile (on where it applies) or set compile_cpp_wrapper=false")
     return attention
 
 

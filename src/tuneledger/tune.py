@@ -176,12 +176,13 @@ def try_levers(space: list[ts.Candidate], levers: list[tuple[str, str]], info: d
 
     variants, device = ts.lever_variants(pick, levers), "cpu" if cpu else "cuda"
     for v in variants:  # with the pick's own settings: a lever it cannot run, or one that would do nothing
-        cfg = resolve(from_cli([*items, *v.overrides()]), nproc)
         try:
+            cfg = resolve(from_cli([*items, *v.overrides()]), nproc)  # a lever at odds with the job's keys: ConfigError
             check_levers(cfg, device)
             check_preset_levers(cfg, device)
         except ValueError as e:
             v.status, v.reason = "not measured", f"cannot run with the pick's settings: {e}"
+            continue
         if cfg.compile_cpp_wrapper and not compile_planned(cfg.torch_compile, device):
             v.status, v.reason = "not measured", "nothing is compiled here: the C++ wrapper would change nothing"
         if cfg.absmax_once and (cfg.quantization_bit != 4 or not cfg.double_quantization or cfg.sharded):

@@ -38,9 +38,12 @@ def check(cfg: Any, device_type: str) -> None:
     or one of tuneledger's own model levers set to true beside it."""
     if not cfg.use_unsloth:
         return
-    if device_type != "cuda":
-        raise ValueError("use_unsloth: true needs a CUDA GPU (Unsloth's Triton kernels); set use_unsloth=false")
-    if importlib.util.find_spec("unsloth") is None:
+    installed = importlib.util.find_spec("unsloth") is not None
+    if device_type != "cuda":  # both problems at once: a user who fixes one should not meet the other next
+        raise ValueError("use_unsloth: true needs a CUDA GPU (Unsloth's Triton kernels)"
+                         f"{'' if installed else ', and unsloth is not installed here (pip install unsloth)'}; "
+                         "set use_unsloth=false")
+    if not installed:
         raise ValueError("use_unsloth: true, but unsloth is not installed here (it is optional, not in the pinned "
                          "image): pip install unsloth, or set use_unsloth=false (tuneledger's own levers)")
     # Unsloth loads 4-bit as NF4 with double quantization and picks its own attention: a config that
