@@ -289,9 +289,10 @@ def run(args: argparse.Namespace) -> int:
     with BeforeRanks() as before:
         try:
             # One dry-run per run folder at a time (train's run.lock is its own): two would write one ledger.
-            with RunLock(from_cli(args.items).out_dir, f"dryrun{from_args(args).suffix()}.lock",
+            base, nodes = from_cli(args.items), from_args(args)
+            with RunLock(base.out_dir, f"dryrun{nodes.suffix()}.lock",
                          "Two dry-runs in one run directory overwrite each other's ledger (dryrun.json, .md, .log)."):
-                return _run(args, before)
+                return _run(args, base, nodes, before)
         except RunLocked as e:
             print(f"tuneledger dryrun: {e}", file=sys.stderr)
             return 1
@@ -303,10 +304,8 @@ def run(args: argparse.Namespace) -> int:
             return 128 + stop.signum
 
 
-def _run(args: argparse.Namespace, before: BeforeRanks) -> int:
+def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: BeforeRanks) -> int:
     startup = {"python_start_s": eta_.process_age_s()}
-    base = from_cli(args.items)
-    nodes = from_args(args)
     locate_model(base.model_name_or_path)  # at once, before torch loads
     check_data(base)  # and a dataset that is not there
     cpu, nproc = processes(args.cpu, args.nproc)

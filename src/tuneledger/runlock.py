@@ -32,14 +32,13 @@ class RunLock:
                  clash: str = "Two trainings in one run directory overwrite each other's job.json and checkpoints."):
         self.path = Path(out_dir) / name
         self.clash = clash  # what two holders at once would break, for the refusal
-        self.created = False  # this lock made the run folder: a start that stops early removes it again
+        # every folder this lock made (runs/ too, on a fresh clone), innermost first: a start that
+        # stops before writing anything removes them again
         self.made: list[Path] = []
         self.fd: int | None = None
         self.stale: dict | None = None  # what a dead holder left, if anything
 
     def __enter__(self) -> "RunLock":
-        self.created = not self.path.parent.exists()
-        # every folder this lock makes (runs/ too, on a fresh clone): a start that stops early removes them
         self.made = [d for d in [self.path.parent, *self.path.parent.parents] if not d.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -66,9 +65,9 @@ class RunLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             # A start that failed its checks leaves no empty runs/<run>/ behind.
-            if self.created and [p.name for p in self.path.parent.iterdir()] == [self.path.name]:
+            if self.made and [p.name for p in self.path.parent.iterdir()] == [self.path.name]:
                 self.path.unlink(missing_ok=True)
-                for d in self.made:  # innermost first; one that holds something else now stays
+                for d in self.made:  # one that holds something else now stays
                     with contextlib.suppress(OSError):
                         d.rmdir()
             self.fd = None
