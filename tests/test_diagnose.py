@@ -197,3 +197,29 @@ def test_the_dryrun_passes_a_cpu_run_to_the_verdict():
            "micro_batch": 1, "gradient_checkpointing": True, "mfu": 0.0001}
     v = verdict(row, [], nproc=2, cpu=True)
     assert v["diagnosis_inputs"]["on_cpu"] is True and "monitor" not in v["diagnosis"]["lever"]
+
+
+def test_a_host_bound_verdict_names_the_opt_in_levers_the_run_could_take():
+    from tuneledger.diagnose import untried_levers
+
+    levers = {"fused_lora": "on (196 projections)", "compile": "on (28 decoder layers, regional)"}
+    qlora = {"grouped_lora": False, "absmax_once": False, "drop_padding_mask": False, "lora_dropout": 0.0,
+             "quantization_bit": 4, "double_quantization": True, "fsdp": None}
+    c = {"config": qlora, "model": {"levers": levers}, "gradient_checkpointing": False, "packing": False}
+    assert untried_levers(c) == ["grouped_lora=true", "absmax_once=true", "drop_padding_mask=true"]
+    # What each lever needs: dropout 0 and no checkpoint inside compiled layers; double-quantized 4-bit
+    # weights, unsharded; padded rows. One already on is not named again.
+    assert untried_levers({**c, "config": {**qlora, "lora_dropout": 0.05}})[0] == "absmax_once=true"
+    assert "grouped_lora=true" not in untried_levers({**c, "gradient_checkpointing": True})
+    assert "grouped_lora=true" in untried_levers({**c, "gradient_checkpointing": True,
+                                                  "model": {"levers": {**levers, "compile": "off"}}})
+    assert untried_levers({**c, "config": {**qlora, "fsdp": "full_shard", "double_quantization": True}}) == [
+        "grouped_lora=true", "drop_padding_mask=true"]
+    assert untried_levers({**c, "packing": True, "config": {**qlora, "quantization_bit": None, "grouped_lora": True}}) == []
+    assert untried_levers({}) == []
+    host = {"util_mean_pct": 59, "mem_peak_frac": 0.22, "allreduce_share": 0.0, "data_wait_share": 0.01,
+            "micro_batch": 2, "gradient_checkpointing": False, "mfu": 0.196}
+    d = diagnose({**host, "untried_levers": untried_levers(c)})
+    assert d["bottleneck"] == "host-bound"
+    assert "`tuneledger tune --levers grouped_lora=true+absmax_once=true+drop_padding_mask=true`" in d["lever"]
+    assert "opt-in" not in diagnose(host)["lever"]

@@ -156,15 +156,21 @@ def job(tmp_path, tiny_model):
 
 def test_levers_are_key_value_speed_levers_and_make_variants_of_the_pick():
     assert ts.parse_levers(None) == [] and ts.parse_levers(" ") == []
-    assert ts.parse_levers("grouped_lora=true, torch_compile=false") == [("grouped_lora", "true"), ("torch_compile", "false")]
+    assert ts.parse_levers("grouped_lora=true, torch_compile=false") == [{"grouped_lora": "true"}, {"torch_compile": "false"}]
+    both = ts.parse_levers("absmax_once=true + drop_padding_mask=true,grouped_lora=true")
+    assert both == [{"absmax_once": "true", "drop_padding_mask": "true"}, {"grouped_lora": "true"}]
+    assert ts.lever_text(both[0]) == "absmax_once=true+drop_padding_mask=true"
     for bad, says in (("grouped_lora", "is not key=value"), ("lora_rank=8", "'lora_rank' is not a speed lever"),
-                      ("grouped_lora=", "is not key=value")):
+                      ("grouped_lora=", "is not key=value"), ("grouped_lora=true+", "'' is not key=value"),
+                      ("absmax_once=true+absmax_once=false", "'absmax_once' is set twice")):
         with pytest.raises(ConfigError, match=says):
             ts.parse_levers(bad)
     pick = measured(next(c for c in ts.build_space(16, 1, 1024, [2], [False], [False]) if c.key == (2, False, False)),
                     100, 0.9, 1.1)
-    v = ts.lever_variants(pick, [("grouped_lora", "true"), ("torch_compile", "false")])
-    assert [c.levers for c in v] == [{"grouped_lora": "true"}, {"torch_compile": "false"}]
+    v = ts.lever_variants(pick, [{"grouped_lora": "true"}, {"torch_compile": "false"}, both[0]])
+    assert [c.levers for c in v] == [{"grouped_lora": "true"}, {"torch_compile": "false"}, both[0]]
+    assert v[2].overrides()[-2:] == ["absmax_once=true", "drop_padding_mask=true"]
+    assert v[2].short == "mb2-nogc-pad+absmax_once=true+drop_padding_mask=true"
     assert all(c.status == "planned" and not c.presets and c.units == pick.units for c in v)
     assert v[0].overrides()[-1] == "grouped_lora=true" and v[0].short == "mb2-nogc-pad+grouped_lora=true"
     assert v[0].key != pick.key and v[0].label.endswith(", grouped_lora=true")
@@ -191,22 +197,28 @@ def test_the_levers_are_tried_on_the_pick_in_what_is_left_of_the_budget(tmp_path
     info = tune.search(space, [], args, False, 1, tmp_path, None, 80.0)
     pick = ts.rank(space)["pick"]
     items = [str(ROOT / "configs" / "tiny.yaml"), "model_name_or_path=m", "lora_dropout=0"]
-    variants = tune.try_levers(space, [("grouped_lora", "true")], info, items, args, False, 1, tmp_path, None, 80.0)
+    variants = tune.try_levers(space, [{"grouped_lora": "true"}], info, items, args, False, 1, tmp_path, None, 80.0)
     assert ran[-1] == (len(space) + 1, f"{pick.split(' ')[0]}+grouped_lora=true") and variants[0].status == "measured"
     assert ts.rank(space + variants)["pick"] == variants[0].short  # a faster variant becomes the pick
     # a variant the pick's own settings cannot run, or one that would change nothing, is not measured
     ran.clear()
     gc_pick = next(c for c in space if c.gradient_checkpointing and c.status == "measured")
     monkeypatch.setattr(ts, "rank", lambda cands: {"pick": gc_pick.short})
-    skipped = tune.try_levers(space, [("grouped_lora", "true")], info, [*items, "torch_compile=true"], args, False, 1,
+    skipped = tune.try_levers(space, [{"grouped_lora": "true"}], info, [*items, "torch_compile=true"], args, False, 1,
                               tmp_path, None, 80.0)
     assert skipped[0].status == "not measured" and "gradient checkpointing inside compiled layers" in skipped[0].reason
-    cpp = tune.try_levers(space, [("compile_cpp_wrapper", "true")], info, [*items, "torch_compile=false"], args, True, 1,
+    cpp = tune.try_levers(space, [{"compile_cpp_wrapper": "true"}], info, [*items, "torch_compile=false"], args, True, 1,
                           tmp_path, None, 80.0)
     assert cpp[0].status == "not measured" and ran == []
+    # A variant of several levers is skipped only when none of them would change anything here.
+    both = tune.try_levers(space, [{"compile_cpp_wrapper": "true", "absmax_once": "true"},
+                                   {"compile_cpp_wrapper": "true", "drop_padding_mask": "true"}],
+                           info, items, args, True, 1, tmp_path, None, 80.0)  # on a CPU, compile is off
+    assert both[0].status == "not measured" and "C++ wrapper" in both[0].reason and "absmax_once" in both[0].reason
+    assert both[1].status == "measured" and ran == [(len(space) + 2, both[1].short)]
     monkeypatch.undo()
     info["elapsed_s"] = 100.0
-    late = tune.try_levers(space, [("grouped_lora", "true")], info, items, args, False, 1, tmp_path, 60.0, 80.0)
+    late = tune.try_levers(space, [{"grouped_lora": "true"}], info, items, args, False, 1, tmp_path, 60.0, 80.0)
     assert late[0].status == "not measured" and "budget ran out before the levers" in late[0].reason
 
 

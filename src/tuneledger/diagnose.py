@@ -13,6 +13,8 @@ steady window (all optional; None = not measured):
     mfu                    model FLOPs utilisation, 0-1 (ledger.mfu)
     imbalance, util_spread_pts   from monitor.summary.summarize_window, to name a slow rank
                            (a spread above imbalance_util_pts counts as imbalance)
+    untried_levers         opt-in speed levers off that this run could take ("key=true", untried_levers):
+                           named in a host-bound verdict's lever
     on_cpu                 a CPU run (gloo): there is no GPU to measure, so only rules 1 and 2
                            apply, and the lever of "unknown" is a dry-run on the GPUs, not the
                            monitor (it samples GPUs: on a CPU it has nothing to measure)
@@ -183,7 +185,7 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
         kind = "host-bound"
         why = (f"the GPU is busy only {util:.0f}% of the time (< {t.host_util_pct:.0f}%) and neither data wait nor "
                "all-reduce explains it: it idles between many small kernels the host launches")
-        lever = _host_lever(mb, gc, mem_note)
+        lever = _host_lever(mb, gc, mem_note, inputs.get("untried_levers"))
     elif cpu and util is None:
         # A CPU's step time says nothing of a GPU's bottleneck (MFU here is against no GPU's peak).
         kind = "unknown"
@@ -193,7 +195,7 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
         kind, inferred = "host-bound", True
         why = (f"GPU util unavailable; MFU {mfu:.1%} < {t.host_mfu:.0%} at micro-batch {mb} with no data wait or "
                "all-reduce to explain it suggests the GPU idles between small kernels (inferred)")
-        lever = _host_lever(mb, gc, mem_note) + "; confirm with `tuneledger monitor` alongside"
+        lever = _host_lever(mb, gc, mem_note, inputs.get("untried_levers")) + "; confirm with `tuneledger monitor` alongside"
     else:
         kind = "unknown"
         why = ("GPU util unavailable and no measured share (all-reduce, data wait, memory) above its threshold"
@@ -203,9 +205,31 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
             "util_available": util is not None, "inferred": inferred}
 
 
-def _host_lever(mb: Any, gc: Any, mem_note: str) -> str:
+def _host_lever(mb: Any, gc: Any, mem_note: str, untried: list[str] | None = None) -> str:
     levers = [f"a bigger micro-batch{f' than {mb}' if mb is not None else ''} ({mem_note})", "packing"]
     if gc:
         levers.append("gradient checkpointing off (recomputation repeats the launches: 1.7-1.9x per step on an H200)")
+    if untried:
+        # Fewer launches per step, the same loss; measured together on preset C (docs/measurements.md).
+        levers.append(f"the opt-in levers {' '.join(untried)} (grouped_lora, absmax_once and drop_padding_mask together: "
+                      f"preset C +53% on an H100; `tuneledger tune --levers {'+'.join(untried)}` measures them here)")
     levers.append("compiled or CUDA-graphed steps")
     return ", ".join(levers[:-1]) + ", or " + levers[-1]
+
+
+def untried_levers(row: dict) -> list[str]:
+    """The opt-in speed levers (docs/speed.md) that a dry-run row ran without and could take,
+    as "key=true", from its config and its `model.levers` line: absmax_once (double-quantized
+    4-bit weights, not sharded), drop_padding_mask (padded rows), grouped_lora (lora_dropout 0, the
+    fused LoRA projection on, and no checkpointing inside compiled layers). [] when none."""
+    cfg, levers = row.get("config") or {}, (row.get("model") or {}).get("levers") or {}
+    compiled = str(levers.get("compile", "")).startswith("on")
+    out = []
+    if (not cfg.get("grouped_lora") and cfg.get("lora_dropout") == 0 and str(levers.get("fused_lora", "")).startswith("on")
+            and not (row.get("gradient_checkpointing") and compiled)):
+        out.append("grouped_lora=true")
+    if not cfg.get("absmax_once") and cfg.get("quantization_bit") == 4 and cfg.get("double_quantization") and not cfg.get("fsdp"):
+        out.append("absmax_once=true")
+    if not cfg.get("drop_padding_mask") and row.get("packing") is False:
+        out.append("drop_padding_mask=true")
+    return out

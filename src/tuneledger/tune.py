@@ -161,7 +161,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
     return {"pruned": [p.short for p in pruned], "elapsed_s": time.monotonic() - t0}
 
 
-def try_levers(space: list[ts.Candidate], levers: list[tuple[str, str]], info: dict, items: list[str],
+def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: dict, items: list[str],
                args: argparse.Namespace, cpu: bool, nproc: int, tune_dir: Path, budget_s: float | None,
                budget_gib: float | None) -> list[ts.Candidate]:
     """--levers: the space's pick measured again with each lever setting (ts.lever_variants), in
@@ -183,17 +183,22 @@ def try_levers(space: list[ts.Candidate], levers: list[tuple[str, str]], info: d
         except ValueError as e:
             v.status, v.reason = "not measured", f"cannot run with the pick's settings: {e}"
             continue
-        if cfg.compile_cpp_wrapper and not compile_planned(cfg.torch_compile, device):
-            v.status, v.reason = "not measured", "nothing is compiled here: the C++ wrapper would change nothing"
-        if cfg.absmax_once and (cfg.quantization_bit != 4 or not cfg.double_quantization or cfg.sharded):
-            v.status, v.reason = "not measured", "no double-quantized weight here: absmax_once would change nothing"
+        # A variant is skipped only when every lever it sets would change nothing here.
+        idle = {"compile_cpp_wrapper": cfg.compile_cpp_wrapper and not compile_planned(cfg.torch_compile, device)
+                and "nothing is compiled here: the C++ wrapper would change nothing",
+                "absmax_once": cfg.absmax_once and (cfg.quantization_bit != 4 or not cfg.double_quantization or cfg.sharded)
+                and "no double-quantized weight here: absmax_once would change nothing",
+                "drop_padding_mask": cfg.drop_padding_mask and cfg.packing
+                and "packed rows have no padding mask: drop_padding_mask would change nothing"}
+        if all(idle.get(k) for k in v.levers):
+            v.status, v.reason = "not measured", "; ".join(idle[k] for k in v.levers)
     left = None if budget_s is None else budget_s - info["elapsed_s"]
     if left is not None and left <= 0:
         for v in variants:
             if v.status == "planned":
                 v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
         return variants
-    print(f"tune: the pick {pick.short} with each of {', '.join(f'{k}={v}' for k, v in levers)}", flush=True)
+    print(f"tune: the pick {pick.short} with each of {', '.join(ts.lever_text(v) for v in levers)}", flush=True)
     more = search(variants, items, args, cpu, nproc, tune_dir, left, budget_gib, first=len(space) + 1)
     info["elapsed_s"] += more["elapsed_s"]
     info["pruned"] += more["pruned"]
@@ -312,13 +317,13 @@ def run(args: argparse.Namespace) -> int:
                           "among them); this config asks for preset F / fsdp. Remove fsdp and preset=F to tune, or "
                           "measure F with `tuneledger dryrun --preset F`")
     levers = ts.parse_levers(args.levers)
-    for key, value in levers:  # a bad value, or a lever this job cannot run, fails here, before any run
+    for variant in levers:  # a bad value, or a lever this job cannot run, fails here, before any run
         from tuneledger.speed import check_levers  # torch: imported only when levers are asked for
 
         try:
-            check_levers(from_cli([*items, f"{key}={value}"]), "cpu" if cpu else "cuda")
+            check_levers(from_cli([*items, *(f"{k}={v}" for k, v in variant.items())]), "cpu" if cpu else "cuda")
         except ValueError as e:
-            raise ConfigError(f"--levers {key}={value}: {e}") from None
+            raise ConfigError(f"--levers {ts.lever_text(variant)}: {e}") from None
     gb = cfg.global_batch_size
     mbs = ts.parse_micro_batches(args.micro_batches, gb, world)
     space = ts.build_space(gb, world, cfg.cutoff_len, mbs, ts.parse_switch(args.gc, "gc"), ts.parse_switch(args.packing, "packing"))
@@ -362,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         "ranking": ranking, "pick": pick.as_dict() if pick else None,
         "snippet": ts.snippet(pick, gb, world, budget_gib) if pick else "# no measured candidate fits\n",
         "finding": ts.finding(ranking, space), "why": why(ranking, space),
-        "levers_tried": [f"{k}={v}" for k, v in levers],
+        "levers_tried": [ts.lever_text(v) for v in levers],
     }
     png = plot(space, tune_dir / "tune.png", f"tune {cfg.run_name}: {ledger.plural(world, 'rank')}, global batch {gb}", budget_gib)
     if png:
@@ -387,6 +392,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--micro-batches", help="micro-batches to search, e.g. 1,2,4,8 (default: 1, 2, 4, ... dividing global/world)")
     p.add_argument("--gc", default="both", help="gradient checkpointing searched: on, off or both (default both)")
     p.add_argument("--packing", default="both", help="packing searched: on, off or both (default both)")
-    p.add_argument("--levers", help="speed levers to try on the pick, one variant each: "
-                                    "grouped_lora=true,compile_cpp_wrapper=true (keys: " + ", ".join(ts.LEVER_KEYS) + ")")
+    p.add_argument("--levers", help="speed levers to try on the pick, one variant per comma, '+' within one: "
+                                    "grouped_lora=true,absmax_once=true+drop_padding_mask=true (keys: " + ", ".join(ts.LEVER_KEYS) + ")")
     p.set_defaults(func=run)

@@ -22,8 +22,8 @@ GC_OFF_FACTOR = 6.0
 # The keys a candidate sets; the user's own values of them are replaced by the candidate's.
 SPACE_KEYS = ("per_device_train_batch_size", "gradient_checkpointing", "packing", "gradient_accumulation_steps", "preset")
 # The speed levers `--levers` may try on the pick, one variant each (docs/speed.md has what each does).
-LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "torch_compile",
-              "compile_cpp_wrapper")
+LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "drop_padding_mask",
+              "torch_compile", "compile_cpp_wrapper")
 
 
 @dataclass
@@ -84,28 +84,41 @@ def parse_budget(text: str | None) -> float | None:
     return seconds
 
 
-def parse_levers(text: str | None) -> list[tuple[str, str]]:
-    """--levers 'grouped_lora=true,torch_compile=false': the (key, value) settings to try on the
-    pick, one variant each, in order; [] for none. Raises ConfigError for an item that is not
-    key=value or whose key is not in LEVER_KEYS (the value is checked by the config, before any run)."""
+def parse_levers(text: str | None) -> list[dict[str, str]]:
+    """--levers 'grouped_lora=true,torch_compile=false': the lever settings to try on the pick, one
+    variant per comma, in order; '+' joins settings into one variant ('grouped_lora=true+absmax_once=true':
+    levers that pay together, as preset C's measured). [] for none. Raises ConfigError for an item
+    that is not key=value, a key not in LEVER_KEYS, or a key twice in one variant (the values are
+    checked by the config, before any run)."""
     if text is None or not str(text).strip():
         return []
     out = []
     for part in str(text).split(","):
-        key, sep, value = (x.strip() for x in part.partition("="))
-        if not sep or not key or not value:
-            raise ConfigError(f"--levers {text!r}: {part.strip()!r} is not key=value (e.g. grouped_lora=true)")
-        if key not in LEVER_KEYS:
-            raise ConfigError(f"--levers {text!r}: {key!r} is not a speed lever tune tries; use {', '.join(LEVER_KEYS)}")
-        out.append((key, value))
+        variant: dict[str, str] = {}
+        for item in part.split("+"):
+            key, sep, value = (x.strip() for x in item.partition("="))
+            if not sep or not key or not value:
+                raise ConfigError(f"--levers {text!r}: {item.strip()!r} is not key=value (e.g. grouped_lora=true)")
+            if key not in LEVER_KEYS:
+                raise ConfigError(f"--levers {text!r}: {key!r} is not a speed lever tune tries; use {', '.join(LEVER_KEYS)}")
+            if key in variant:
+                raise ConfigError(f"--levers {text!r}: {key!r} is set twice in {part.strip()!r}")
+            variant[key] = value
+        out.append(variant)
     return out
 
 
-def lever_variants(pick: Candidate, levers: list[tuple[str, str]]) -> list[Candidate]:
-    """The pick with each lever setting in turn: the same micro-batch, checkpointing and packing
-    (so the same memory estimate), no preset name (a variant is not a preset's own settings)."""
+def lever_text(variant: dict[str, str]) -> str:
+    """A variant as --levers spells it: 'grouped_lora=true+absmax_once=true'."""
+    return "+".join(f"{k}={v}" for k, v in variant.items())
+
+
+def lever_variants(pick: Candidate, levers: list[dict[str, str]]) -> list[Candidate]:
+    """The pick with each variant's lever settings in turn (parse_levers): the same micro-batch,
+    checkpointing and packing (so the same memory estimate), no preset name (a variant is not a
+    preset's own settings)."""
     return [Candidate(pick.micro_batch, pick.gradient_checkpointing, pick.packing, pick.accumulation,
-                      units=pick.units, levers={k: v}) for k, v in levers]
+                      units=pick.units, levers=dict(v)) for v in levers]
 
 
 def per_rank_batch(global_batch: int, world: int) -> int:
