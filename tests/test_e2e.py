@@ -129,3 +129,38 @@ def test_sigterm_to_the_dryrun_launcher_stops_every_rank(tmp_path, tiny_model):
         assert "terminated (SIGTERM): the ranks were stopped" in (tmp_path / "out.log").read_text()
     finally:
         procs.kill_tree(proc.pid)
+
+
+def _sigterm_when(args, log_path, text):
+    """Start a CPU dry-run, SIGTERM its launcher once `text` is in its output; returns (rc, output)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tuneledger", "dryrun", *args], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + (procs.TIMEOUT_S or 3600)
+        while text not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=180), log_path.read_text()
+    finally:
+        procs.kill_tree(proc.pid)
+
+
+def test_sigterm_keeps_the_presets_measured_and_never_replaces_a_ledger_with_nothing(tmp_path, tiny_model):
+    """SIGTERM (a scheduler, `docker stop`) after preset A finished: A's row is in the ledger, the rest
+    say they were terminated, exit 143. A second run stopped before any preset finished leaves that
+    ledger as it was."""
+    args = [*small(tmp_path, tiny_model, "dry", "dryrun_steps=3", "dryrun_warmup_steps=1"), "--preset", "all",
+            "--nproc", "1", "--cpu"]
+    rc, out = _sigterm_when(args, tmp_path / "out.log", "\npreset A: ")
+    assert rc == 143, out[-3000:]
+    led = json.loads((tmp_path / "dry" / "dryrun.json").read_text())
+    rows = {r["preset"]: r for r in led["presets"]}
+    assert "s_per_step" in rows["A"] and set(rows) == {"A", "B", "C", "D"}, out[-3000:]
+    assert all(rows[p].get("skipped") == "terminated (SIGTERM)" for p in "BCD" if "s_per_step" not in rows[p])
+    assert "terminated (SIGTERM): writing the ledger of the presets measured so far" in out and "Traceback" not in out
+    before = (tmp_path / "dry" / "dryrun.json").read_bytes()
+    rc, out = _sigterm_when(args, tmp_path / "out2.log", "=== [1/4]")
+    assert rc == 143 and "no preset finished" in out and "is left as it was" in out, out[-3000:]
+    assert (tmp_path / "dry" / "dryrun.json").read_bytes() == before

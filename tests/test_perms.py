@@ -41,6 +41,6 @@ def test_a_private_umask_stays_private(tmp_path):
 
 
 def test_a_cpu_run_lists_no_cuda_version():
-    from tuneledger.dryrun import versions
+    from tuneledger.machine_facts import versions
 
     assert "cuda" not in versions(cpu=True) and versions(cpu=True)["torch"]

@@ -17,7 +17,6 @@ import argparse
 import json
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -31,7 +30,8 @@ from tuneledger.checkpoints import time_publish
 from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, preset_overrides, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
-from tuneledger.launch import BeforeRanks, StoppedBeforeStart, processes, run_workers, used_gpus
+from tuneledger.machine_facts import topology, versions
+from tuneledger.launch import BeforeRanks, StoppedBeforeStart, Terminated, processes, run_workers, sigterm_raises, used_gpus
 from tuneledger.ledger import CAP_24GB_GIB
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.preflight_checks import check_data
@@ -42,40 +42,6 @@ from tuneledger.prepare import load_prepared, prepare_eval, prepare_for_training
 from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.sharding import peak_by_world
 
-
-
-def versions(cpu: bool = False) -> dict:
-    """Versions of what the run used. A CPU run used no CUDA, whatever torch was built for: no "cuda"."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "flash-attn", "tuneledger"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    if not cpu:
-        import torch
-
-        out["cuda"] = torch.version.cuda
-    return out
-
-
-def topology() -> dict:
-    """`nvidia-smi topo -m` and the link it shows between GPUs: NVLink, PCIe, or n/a."""
-    try:
-        text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {"link": "n/a (no nvidia-smi)", "matrix": ""}
-    rows = [line.split() for line in text.splitlines() if line.startswith("GPU")]
-    cells = {c for row in rows for c in row[1:len(rows) + 1] if c != "X"}
-    if any(c.startswith("NV") for c in cells):
-        link = "NVLink (" + ", ".join(sorted(c for c in cells if c.startswith("NV"))) + ")"
-    elif cells:
-        link = "PCIe (" + ", ".join(sorted(cells)) + "; no NVLink)"
-    else:
-        link = "single GPU"
-    return {"link": link, "matrix": text}
 
 
 def preset_config(items: list[str], preset: str) -> JobConfig:
@@ -350,26 +316,36 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         sampler = InProcessSampler(interval=0.5, out_dir=out_root / "monitor").start()
     rows, results = [], {}
     before.restore()  # the presets' own stop (run_workers) and the partial ledger from here
+    stopped = ""  # Ctrl-C or SIGTERM: the ledger of the presets that finished is still written
     try:
-        measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes,
-                        eval_prep.path if eval_prep else None, startup)
-        fits = [r.get("fits_24gb") for r in rows if "s_per_step" in r]
-        if args.preset == "ALL" and fits and all(f is False for f in fits):
-            # No whole copy per GPU fits a 24 GB card: measure the sharded preset beside them.
-            print("\nno DDP preset fits a 24 GB card: measuring preset F (FSDP2, the model sharded over the GPUs)", flush=True)
-            names.append("F")
-            measure_presets(args, plan(args.items, ["F"], world, device_type), nproc, cpu, prep, stats, out_root, log, rows, results,
-                            nodes, eval_prep.path if eval_prep else None, startup)
+        with sigterm_raises():
+            measure_presets(args, planned, nproc, cpu, prep, stats, out_root, log, rows, results, nodes,
+                            eval_prep.path if eval_prep else None, startup)
+            fits = [r.get("fits_24gb") for r in rows if "s_per_step" in r]
+            if args.preset == "ALL" and fits and all(f is False for f in fits):
+                # No whole copy per GPU fits a 24 GB card: measure the sharded preset beside them.
+                print("\nno DDP preset fits a 24 GB card: measuring preset F (FSDP2, the model sharded over the GPUs)", flush=True)
+                names.append("F")
+                measure_presets(args, plan(args.items, ["F"], world, device_type), nproc, cpu, prep, stats, out_root, log,
+                                rows, results, nodes, eval_prep.path if eval_prep else None, startup)
     except KeyboardInterrupt:
-        # Keep what was measured: the ledger of the presets that finished is still written.
-        print("\ninterrupted: writing the ledger of the presets measured so far", flush=True)
-        rows += [{"preset": n, "skipped": "interrupted"} for n in names if n not in {r["preset"] for r in rows}]
-
+        stopped = "interrupted"
+    except (Terminated, SystemExit) as e:  # run_workers turns SIGTERM into SystemExit(143)
+        if isinstance(e, SystemExit) and e.code != 143:
+            raise
+        stopped = "terminated (SIGTERM)"
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
+    if stopped:
+        rows += [{"preset": n, "skipped": stopped} for n in names if n not in {r["preset"] for r in rows}]
+        if not done and (out_root / "dryrun.json").exists():  # an earlier, whole ledger is worth more than none
+            print(f"\n{stopped}: no preset finished; {out_root / 'dryrun.json'} is left as it was", flush=True)
+            return 143 if stopped.startswith("terminated") else 1
+        print(f"\n{stopped}: writing the ledger of the presets measured so far", flush=True)
+    rc = 143 if stopped.startswith("terminated") else 0 if done else 1  # a killed command's code (docs/runs-and-output.md)
     if not nodes.first:
         print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
-        return 0 if done else 1
+        return rc
     for r in done:
         r.update(verdict(r, samples, nproc, cpu))
     first = next(iter(results.values()), None)
@@ -396,7 +372,7 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
     print(f"wrote {', '.join(map(str, wrote))} and {log}")
     print(f"dry-run: {eta_.took(eta_.process_age_s())}")  # held against the shell's `time`, as train's is
-    return 0 if done else 1
+    return rc
 
 
 def pictures(led: dict, rows: list[dict], samples: list[dict], out_root: Path, title: str) -> Path | None:

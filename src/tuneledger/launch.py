@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from tuneledger.config import ConfigError
 from tuneledger.nodes import Nodes, nccl_env
@@ -265,6 +266,20 @@ class Terminated(Exception):
 
 def _raise_terminated(signum, frame):
     raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated inside the block (main thread only; elsewhere a no-op): a dry-run
+    between two presets keeps what it measured, as it does inside run_workers (SystemExit 143)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev)
 
 
 def torchrun_command(nproc: int, port: int, target: list[str], extra: list[str] = ()) -> list[str]:
