@@ -138,7 +138,7 @@ def test_a_pick_that_beats_the_presets_says_by_how_much():
 
 
 def test_the_user_keys_of_the_space_are_replaced_and_the_short_dry_run_added():
-    from tuneledger.tune import base_items
+    from tuneledger.tune_space import base_items
 
     items = ["cfg.yaml", "per_device_train_batch_size=4", "packing=true", "lora_rank=8", "preset=D"]
     assert base_items(items, False) == ["cfg.yaml", "lora_rank=8", "dryrun_steps=6", "dryrun_warmup_steps=2"]
@@ -162,7 +162,8 @@ def test_levers_are_key_value_speed_levers_and_make_variants_of_the_pick():
     assert ts.lever_text(both[0]) == "absmax_once=true+drop_padding_mask=true"
     for bad, says in (("grouped_lora", "is not key=value"), ("lora_rank=8", "'lora_rank' is not a speed lever"),
                       ("grouped_lora=", "is not key=value"), ("grouped_lora=true+", "'' is not key=value"),
-                      ("absmax_once=true+absmax_once=false", "'absmax_once' is set twice")):
+                      ("absmax_once=true+absmax_once=false", "'absmax_once' is set twice"),
+                      ("grouped_lora=true,absmax_once=true,grouped_lora=true", "'grouped_lora=true' is asked for twice")):
         with pytest.raises(ConfigError, match=says):
             ts.parse_levers(bad)
     pick = measured(next(c for c in ts.build_space(16, 1, 1024, [2], [False], [False]) if c.key == (2, False, False)),
@@ -216,6 +217,10 @@ def test_the_levers_are_tried_on_the_pick_in_what_is_left_of_the_budget(tmp_path
                            info, items, args, True, 1, tmp_path, None, 80.0)  # on a CPU, compile is off
     assert both[0].status == "not measured" and "C++ wrapper" in both[0].reason and "absmax_once" in both[0].reason
     assert both[1].status == "measured" and ran == [(len(space) + 2, both[1].short)]
+    same = tune.try_levers(space, [{"grouped_lora": "false"}, {"grouped_lora": "false", "absmax_once": "true"}],
+                           info, items, args, True, 1, tmp_path, None, 80.0)  # the job's own value: nothing to measure
+    assert same[0].status == same[1].status == "not measured" and len(ran) == 1
+    assert same[0].reason == "the job already runs with grouped_lora=false" and "absmax_once" in same[1].reason
     monkeypatch.undo()
     info["elapsed_s"] = 100.0
     late = tune.try_levers(space, [{"grouped_lora": "true"}], info, items, args, False, 1, tmp_path, 60.0, 80.0)
@@ -235,6 +240,17 @@ def test_bad_input_exits_2_before_any_run(tmp_path):
     assert p.returncode == 2 and "--levers grouped_lora=true: " in p.stderr, p.stderr
     assert "configs/tiny.yaml + overrides" in p.stderr and "grouped_lora: true needs lora_dropout 0" in p.stderr, p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_second_tune_in_the_same_run_folder_is_refused_before_any_run(tmp_path):
+    from tuneledger.runlock import RunLock
+
+    base = [str(ROOT / "configs" / "tiny.yaml"), f"output_dir={tmp_path / 'run'}", "global_batch_size=4", "--nproc", "1", "--cpu"]
+    with RunLock(tmp_path / "run" / "tune", "tune.lock"):  # the first tune, still searching
+        p = tl("tune", *base)
+    assert p.returncode == 1 and f"{tmp_path / 'run' / 'tune'} is in use by pid {os.getpid()}" in p.stderr, p.stderr
+    assert "Two tunes in one run directory overwrite each other's candidates" in p.stderr
+    assert not list((tmp_path / "run" / "tune").glob("cand-*"))
 
 
 @pytest.mark.e2e
@@ -302,6 +318,17 @@ def test_preset_f_is_refused_before_any_run(tmp_path):
         p = tl("tune", *base, extra)
         assert p.returncode == 2 and "tune searches the DDP settings" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_second_tune_in_the_same_run_folder_is_refused_before_any_run(tmp_path):
+    from tuneledger.runlock import RunLock
+
+    base = [str(ROOT / "configs" / "tiny.yaml"), f"output_dir={tmp_path / 'run'}", "global_batch_size=4", "--nproc", "1", "--cpu"]
+    with RunLock(tmp_path / "run" / "tune", "tune.lock"):  # the first tune, still searching
+        p = tl("tune", *base)
+    assert p.returncode == 1 and f"{tmp_path / 'run' / 'tune'} is in use by pid {os.getpid()}" in p.stderr, p.stderr
+    assert "Two tunes in one run directory overwrite each other's candidates" in p.stderr
+    assert not list((tmp_path / "run" / "tune").glob("cand-*"))
 
 
 @pytest.mark.e2e

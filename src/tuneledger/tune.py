@@ -23,13 +23,11 @@ from typing import Any
 
 from tuneledger import ledger
 from tuneledger import tune_space as ts
-from tuneledger.config import ConfigError, resolve
+from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.config_load import from_cli, parse_overrides
 from tuneledger.launch import processes
 from tuneledger.plots import picture, pyplot, save_figure
-
-DEFAULT_STEPS, DEFAULT_WARMUP = 6, 2
-
+from tuneledger.runlock import RunLock, RunLocked
 
 def fmt_s(seconds: float) -> str:
     """Seconds as '4 min 05 s'."""
@@ -47,15 +45,6 @@ def card_memory_gib(nproc: int) -> float | None:
     except (OSError, subprocess.TimeoutExpired, ValueError):
         return None
     return min(mib) / 1024 if mib else None
-
-
-def base_items(items: list[str], steps_given: bool) -> list[str]:
-    """The user's items without the keys a candidate sets (tune_space.SPACE_KEYS), with the short
-    dry-run's steps unless the user gave dryrun_steps (then theirs, and their warm-up)."""
-    keep = [i for i in items if "=" not in i or i.partition("=")[0].strip() not in ts.SPACE_KEYS]
-    if not steps_given:
-        keep += [f"dryrun_steps={DEFAULT_STEPS}", f"dryrun_warmup_steps={DEFAULT_WARMUP}"]
-    return keep
 
 
 def measure_row(row: dict, budget_gib: float | None, cpu: bool, oom: bool = False) -> dict:
@@ -175,6 +164,7 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
     from tuneledger.speed import check_levers, check_preset_levers
 
     variants, device = ts.lever_variants(pick, levers), "cpu" if cpu else "cuda"
+    own = resolve(from_cli([*items, *pick.overrides()]), nproc)  # the pick as measured: its levers' values
     for v in variants:  # with the pick's own settings: a lever it cannot run, or one that would do nothing
         try:
             cfg = resolve(from_cli([*items, *v.overrides()]), nproc)  # a lever at odds with the job's keys: ConfigError
@@ -190,6 +180,7 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
                 and "no double-quantized weight here: absmax_once would change nothing",
                 "drop_padding_mask": cfg.drop_padding_mask and cfg.packing
                 and "packed rows have no padding mask: drop_padding_mask would change nothing"}
+        idle.update({k: f"the job already runs with {k}={v.levers[k]}" for k in v.levers if getattr(cfg, k) == getattr(own, k)})
         if all(idle.get(k) for k in v.levers):
             v.status, v.reason = "not measured", "; ".join(idle[k] for k in v.levers)
     left = None if budget_s is None else budget_s - info["elapsed_s"]
@@ -298,17 +289,27 @@ def _draw(cands: list[ts.Candidate], png: Path, title: str, budget_gib: float | 
 
 
 def run(args: argparse.Namespace) -> int:
+    base = from_cli(args.items)
+    try:  # one tune per run folder at a time: two would share cand-N and the ledger
+        with RunLock(base.out_dir / "tune", "tune.lock",
+                     "Two tunes in one run directory overwrite each other's candidates and ledger (cand-N, tune.json)."):
+            return _run(args, base)
+    except RunLocked as e:
+        print(f"tuneledger tune: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, base: JobConfig) -> int:
     from tuneledger.model import locate_model
     from tuneledger.preflight_checks import check_data
 
     budget_s = ts.parse_budget(args.budget)
     if args.memory_gib is not None and args.memory_gib <= 0:
         raise ConfigError(f"--memory-gib {args.memory_gib:g}: must be above 0 (GiB per GPU)")
-    base = from_cli(args.items)
     steps_given = "dryrun_steps" in parse_overrides([i for i in args.items if "=" in i])
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nproc
-    items = base_items(args.items, steps_given)
+    items = ts.base_items(args.items, steps_given)
     if base.batch_from_accumulation:  # LLaMA-Factory's accumulation: fix its global batch, as the dry-run does
         items += [f"global_batch_size={resolve(base, world).global_batch_size}", "gradient_accumulation_steps=null"]
     cfg = from_cli(items)  # the job every candidate shares: a bad key fails here, before any run

@@ -26,6 +26,19 @@ LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora",
               "torch_compile", "compile_cpp_wrapper")
 
 
+# A candidate's short dry-run, unless the user gives dryrun_steps.
+DEFAULT_STEPS, DEFAULT_WARMUP = 6, 2
+
+
+def base_items(items: list[str], steps_given: bool) -> list[str]:
+    """The user's items without the keys a candidate sets (SPACE_KEYS), with the short
+    dry-run's steps unless the user gave dryrun_steps (then theirs, and their warm-up)."""
+    keep = [i for i in items if "=" not in i or i.partition("=")[0].strip() not in SPACE_KEYS]
+    if not steps_given:
+        keep += [f"dryrun_steps={DEFAULT_STEPS}", f"dryrun_warmup_steps={DEFAULT_WARMUP}"]
+    return keep
+
+
 @dataclass
 class Candidate:
     """One point of the space: micro-batch (sequences per rank per forward), gradient
@@ -89,7 +102,7 @@ def parse_levers(text: str | None) -> list[dict[str, str]]:
     variant per comma, in order; '+' joins settings into one variant ('grouped_lora=true+absmax_once=true':
     levers that pay together, as preset C's measured). [] for none. Raises ConfigError for an item
     that is not key=value, a key not in LEVER_KEYS, or a key twice in one variant (the values are
-    checked by the config, before any run)."""
+    checked by the config, before any run), or a variant asked for twice."""
     if text is None or not str(text).strip():
         return []
     out = []
@@ -104,6 +117,8 @@ def parse_levers(text: str | None) -> list[dict[str, str]]:
             if key in variant:
                 raise ConfigError(f"--levers {text!r}: {key!r} is set twice in {part.strip()!r}")
             variant[key] = value
+        if variant in out:  # measured twice, the two would share one name in the table
+            raise ConfigError(f"--levers {text!r}: {lever_text(variant)!r} is asked for twice")
         out.append(variant)
     return out
 
