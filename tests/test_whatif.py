@@ -267,3 +267,22 @@ def test_absmax_once_counts_the_fp32_absmax_of_single_quantization():
         assert grew / per_weight == pytest.approx(plain[k]["memory"]["weights_4bit"] / (0.5 + 1 / 64 + 4 / (64 * 256)))
         assert p["memory"]["activations"] == pytest.approx(plain[k]["memory"]["activations"] - grew, rel=1e-9)
         assert p["memory"]["total"] == pytest.approx(plain[k]["memory"]["total"], rel=1e-9)  # same target
+
+
+def test_a_preset_the_dry_run_did_not_measure_is_left_out_and_said(tmp_path):
+    """Ctrl-C, SIGTERM or a failed rank leave {"preset", "skipped"} rows in a ledger: whatif scales the
+    presets that were measured, says which it left out, and --preset naming one says why."""
+    led = json.loads((SCALING / "dryrun-1gpu.json").read_text())
+    led["presets"].append({"preset": "D", "skipped": "terminated (SIGTERM)"})
+    led["presets"] = [r for r in led["presets"] if r["preset"] != "B"] + [{"preset": "B", "skipped": "out of memory"}]
+    path = tmp_path / "dryrun.json"
+    path.write_text(json.dumps(led))
+    r = tuneledger(str(path), "--gpus", "8x4090-pcie", "--preset", "A")
+    assert r.returncode == 0, r.stderr
+    assert "whatif: preset D left out: the dry-run did not measure it (terminated (SIGTERM))" in r.stderr
+    assert "whatif: preset B left out: the dry-run did not measure it (out of memory)" in r.stderr
+    r = tuneledger(str(path), "--gpus", "8x4090-pcie", "--preset", "b")
+    assert r.returncode == 2 and f"{path}: preset B was not measured (out of memory); it holds A, C" in r.stderr, r.stderr
+    path.write_text(json.dumps({**led, "presets": [{"preset": "A", "skipped": "interrupted"}]}))
+    r = tuneledger(str(path), "--gpus", "8x4090-pcie")
+    assert r.returncode == 2 and "no preset was measured (A: interrupted): nothing to scale from" in r.stderr, r.stderr

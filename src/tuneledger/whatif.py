@@ -66,7 +66,16 @@ def load_ledger(path: Path) -> dict:
     if not isinstance(led, dict) or not isinstance(led.get("presets"), list) or not led["presets"]:
         raise WhatifError(f"{path}: no 'presets' list of measured rows: not a dry-run ledger (runs/<run>/dryrun.json)")
     if led.get("backend") == "gloo" or not led.get("gpu"):
-        raise WhatifError(f"{path}: measured on a CPU (gloo processes): there are no GPU timings to scale from")
+        raise WhatifError(f"{path}: measured on a CPU (gloo processes): there are no GPU timings to scale from. Give "
+                          "a dry-run's ledger from a GPU (the repository holds H200 ones: "
+                          "bench/results/h200-2026-11-30-scaling/dryrun-1gpu.json)")
+    # A preset the dry-run did not measure (interrupted, out of memory, ruled out) has nothing to scale:
+    # it is left out and said, and `--preset` naming it says why.
+    led["not_measured"] = {r.get("preset", "?"): r["skipped"] for r in led["presets"] if isinstance(r, dict) and "skipped" in r}
+    led["presets"] = [r for r in led["presets"] if not (isinstance(r, dict) and "skipped" in r)]
+    if not led["presets"]:
+        raise WhatifError(f"{path}: no preset was measured ("
+                          + "; ".join(f"{k}: {v}" for k, v in led["not_measured"].items()) + "): nothing to scale from")
     for i, row in enumerate(led["presets"]):
         missing = [k for k in ROW_FIELDS if k not in row] + [f"model.{k}" for k in MODEL_FIELDS if k not in row.get("model", {})]
         if missing:
@@ -218,6 +227,11 @@ def run(args: argparse.Namespace) -> int:
         hw, n = parse_gpus(args.gpus)
         path = Path(args.ledger)
         led = load_ledger(path)
+        if args.preset and args.preset.upper() in led["not_measured"]:
+            raise WhatifError(f"{path}: preset {args.preset.upper()} was not measured "
+                              f"({led['not_measured'][args.preset.upper()]}); it holds {', '.join(r['preset'] for r in led['presets'])}")
+        for name, why in led["not_measured"].items():
+            print(f"whatif: preset {name} left out: the dry-run did not measure it ({why})", file=sys.stderr)
         if args.preset and args.preset.upper() not in {r["preset"] for r in led["presets"] if not r["config"].get("fsdp")}:
             raise WhatifError(f"{path}: no measured DDP preset {args.preset} (whatif does not model FSDP's F); it holds "
                               f"{', '.join(r['preset'] for r in led['presets'])}")
