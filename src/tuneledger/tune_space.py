@@ -346,7 +346,9 @@ def snippet(c: Candidate, global_batch: int, world: int, budget_gib: float | Non
     """The winning settings as YAML to paste into a training config."""
     fits = f"fits {budget_gib:g} GiB per GPU" if budget_gib else "memory not checked (CPU)"
     return "\n".join([
-        f"# tuneledger tune: fastest measured setting ({c.result['tokens_per_s']:,.0f} tokens/s on {ledger.plural(world, 'rank')}; {fits})",
+        # The pick is the least memory among those tied with the fastest (rank): the header says so.
+        f"# tuneledger tune: the pick, {c.result['tokens_per_s']:,.0f} tokens/s on {ledger.plural(world, 'rank')}; {fits} "
+        "(the fastest that fits, or the least memory of those tied with it: tune.md's Finding)",
         f"global_batch_size: {global_batch}",
         f"per_device_train_batch_size: {c.micro_batch}   # gradient accumulation {c.accumulation} is derived",
         f"gradient_checkpointing: {str(c.gradient_checkpointing).lower()}",
