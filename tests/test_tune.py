@@ -320,17 +320,6 @@ def test_preset_f_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_second_tune_in_the_same_run_folder_is_refused_before_any_run(tmp_path):
-    from tuneledger.runlock import RunLock
-
-    base = [str(ROOT / "configs" / "tiny.yaml"), f"output_dir={tmp_path / 'run'}", "global_batch_size=4", "--nproc", "1", "--cpu"]
-    with RunLock(tmp_path / "run" / "tune", "tune.lock"):  # the first tune, still searching
-        p = tl("tune", *base)
-    assert p.returncode == 1 and f"{tmp_path / 'run' / 'tune'} is in use by pid {os.getpid()}" in p.stderr, p.stderr
-    assert "Two tunes in one run directory overwrite each other's candidates" in p.stderr
-    assert not list((tmp_path / "run" / "tune").glob("cand-*"))
-
-
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_sigterm_stops_the_running_candidate_and_writes_what_was_measured(tmp_path, tiny_model):
