@@ -217,6 +217,8 @@ def test_the_levers_are_tried_on_the_pick_in_what_is_left_of_the_budget(tmp_path
                            info, items, args, True, 1, tmp_path, None, 80.0)  # on a CPU, compile is off
     assert both[0].status == "not measured" and "C++ wrapper" in both[0].reason and "absmax_once" in both[0].reason
     assert both[1].status == "measured" and ran == [(len(space) + 2, both[1].short)]
+    n = len(space) + 2  # the variant not measured keeps its number in the progress lines, with why
+    assert f"tune [{len(space) + 1}/{n}] {both[0].short}: not measured: nothing is compiled here" in capsys.readouterr().out
     same = tune.try_levers(space, [{"grouped_lora": "false"}, {"grouped_lora": "false", "absmax_once": "true"}],
                            info, items, args, True, 1, tmp_path, None, 80.0)  # the job's own value: nothing to measure
     assert same[0].status == same[1].status == "not measured" and len(ran) == 1

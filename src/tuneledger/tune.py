@@ -108,7 +108,8 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
     cap = budget_gib if (args.memory_gib and not cpu) else None  # an OOM under the cap proves "does not fit"
     n = first - 1 + len(cands)
     for k, c in enumerate(cands, first):
-        if c.status != "planned":
+        if c.status != "planned":  # its number is said with why, so the count runs on without a gap
+            print(f"tune [{k}/{n}] {c.short}: {c.status}: {c.reason}", flush=True)
             continue
         done = [d for d in cands if d.status in ("measured", "out of memory")]
         for p in ts.prune(cands, done, budget_gib):
