@@ -336,13 +336,13 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         stopped = "terminated (SIGTERM)"
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
+    rc = 143 if stopped.startswith("terminated") else 0 if done else 1  # a killed command's code (docs/runs-and-output.md)
     if stopped:
         rows += [{"preset": n, "skipped": stopped} for n in names if n not in {r["preset"] for r in rows}]
         if not done and (out_root / "dryrun.json").exists():  # an earlier, whole ledger is worth more than none
             print(f"\n{stopped}: no preset finished; {out_root / 'dryrun.json'} is left as it was", flush=True)
-            return 143 if stopped.startswith("terminated") else 1
+            return rc
         print(f"\n{stopped}: writing the ledger of the presets measured so far", flush=True)
-    rc = 143 if stopped.startswith("terminated") else 0 if done else 1  # a killed command's code (docs/runs-and-output.md)
     if not nodes.first:
         print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
         return rc

@@ -29,6 +29,7 @@ from tuneledger.launch import processes
 from tuneledger.plots import picture, pyplot, save_figure
 from tuneledger.runlock import RunLock, RunLocked
 
+
 def fmt_s(seconds: float) -> str:
     """Seconds as '4 min 05 s'."""
     m, s = divmod(int(round(max(0.0, seconds))), 60)
