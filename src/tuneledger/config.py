@@ -252,6 +252,11 @@ class JobConfig(BaseModel):
         """True when the base is sharded over the ranks (fsdp set: preset F), False for pure DDP."""
         return bool(self.fsdp)
 
+    @property
+    def absmax_once_applies(self) -> bool:
+        """True when absmax_once would change something here (see absmax_once_applies)."""
+        return absmax_once_applies(self.quantization_bit, self.double_quantization, self.sharded)
+
     @model_validator(mode="after")
     def _levers_agree(self) -> "JobConfig":
         # Lever pairs that contradict each other whatever the machine: bad input, refused as the
@@ -365,3 +370,10 @@ def preset_overrides(cfg: JobConfig, world: int) -> dict:
     if cfg.preset == "D":
         own["per_device_train_batch_size"] = d_micro_batch(own["per_device_train_batch_size"], cfg.global_batch_size, world)
     return {k: getattr(cfg, k) for k, v in own.items() if getattr(cfg, k) != v}
+
+
+def absmax_once_applies(quantization_bit: Any, double_quantization: Any, sharded: Any) -> bool:
+    """True when absmax_once has a weight to act on: a 4-bit base with double quantization, not
+    sharded (FSDP2 shards the quant states with the weights: nf4.absmax_once). One rule for
+    tune's idle-lever check (on a JobConfig) and diagnose's untried levers (on a row's config)."""
+    return quantization_bit == 4 and bool(double_quantization) and not sharded

@@ -42,7 +42,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuneledger.config import ConfigError
+from tuneledger.config import ConfigError, absmax_once_applies
 from tuneledger.config_load import read_yaml_mapping
 
 DEFAULT_PATH = Path("configs/diagnosis.yaml")
@@ -228,7 +228,7 @@ def untried_levers(row: dict) -> list[str]:
     if (not cfg.get("grouped_lora") and cfg.get("lora_dropout") == 0 and str(levers.get("fused_lora", "")).startswith("on")
             and not (row.get("gradient_checkpointing") and compiled)):
         out.append("grouped_lora=true")
-    if not cfg.get("absmax_once") and cfg.get("quantization_bit") == 4 and cfg.get("double_quantization") and not cfg.get("fsdp"):
+    if not cfg.get("absmax_once") and absmax_once_applies(cfg.get("quantization_bit"), cfg.get("double_quantization"), cfg.get("fsdp")):
         out.append("absmax_once=true")
     if not cfg.get("drop_padding_mask") and row.get("packing") is False:
         out.append("drop_padding_mask=true")

@@ -178,7 +178,7 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
         # A variant is skipped only when every lever it sets would change nothing here.
         idle = {"compile_cpp_wrapper": cfg.compile_cpp_wrapper and not compile_planned(cfg.torch_compile, device)
                 and "nothing is compiled here: the C++ wrapper would change nothing",
-                "absmax_once": cfg.absmax_once and (cfg.quantization_bit != 4 or not cfg.double_quantization or cfg.sharded)
+                "absmax_once": cfg.absmax_once and not cfg.absmax_once_applies
                 and "no double-quantized weight here: absmax_once would change nothing",
                 "drop_padding_mask": cfg.drop_padding_mask and cfg.packing
                 and "packed rows have no padding mask: drop_padding_mask would change nothing"}
