@@ -430,3 +430,15 @@ def test_a_failed_or_out_of_memory_candidate_is_listed_with_why(tmp_path, monkey
     assert by[(2, True, False)].status == "out of memory" and by[(2, True, False)].reason == "out of memory on the card"
     assert by[(2, False, True)].status == "pruned"  # preset D needs at least B's memory, which did not fit
     assert ts.rank(space)["pick"] is None and ts.finding(ts.rank(space), space).startswith("no measured candidate fits")
+
+
+def test_a_negative_budget_after_a_space_gets_tunes_own_message(capsys):
+    # argparse alone takes "-5m" for an option ("expected one argument"); the CLI glues it to
+    # --budget so that tune's own check names the value. "--budget=-5m" gets the same message.
+    from tuneledger import cli
+
+    assert cli._glue_dashed_values(["tune", "--budget", "-5m", "x=1"]) == ["tune", "--budget=-5m", "x=1"]
+    assert cli._glue_dashed_values(["tune", "--cpu", "--budget", "5m"]) == ["tune", "--cpu", "--budget", "5m"]
+    assert cli.main(["tune", "--budget", "-5m", "--cpu"]) == cli.BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--budget" in err and "expected one argument" not in err

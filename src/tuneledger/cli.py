@@ -69,6 +69,19 @@ def announce_template(args: argparse.Namespace) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _glue_dashed_values(argv: list[str]) -> list[str]:
+    """`--budget -5m` as `--budget=-5m`: argparse takes a value that starts with '-' (and is not a
+    plain number) for an option and answers "expected one argument"; glued, the option's own
+    check names what is wrong with the value. Only for a value that starts with '-' and a digit."""
+    out: list[str] = []
+    for tok in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and len(tok) > 1 and tok[0] == "-" and tok[1].isdigit():
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -87,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # The config file and `key=value` overrides may come before or after the options (`dryrun
     # --preset all cfg.yaml lora_rank=8`); argparse stops collecting positionals at the first
     # option, so collect the rest.
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_glue_dashed_values(sys.argv[1:] if argv is None else argv))
     stray = [e for e in extra if e.startswith("-") or not ("=" in e or e.endswith((".yaml", ".yml")))]
     if stray or (extra and not hasattr(args, "items")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")

@@ -291,23 +291,23 @@ def _draw(cands: list[ts.Candidate], png: Path, title: str, budget_gib: float | 
 
 
 def run(args: argparse.Namespace) -> int:
+    budget_s = ts.parse_budget(args.budget)  # the options' own checks first: they need no config
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        raise ConfigError(f"--memory-gib {args.memory_gib:g}: must be above 0 (GiB per GPU)")
     base = from_cli(args.items)
     try:  # one tune per run folder at a time: two would share cand-N and the ledger
         with RunLock(base.out_dir / "tune", "tune.lock",
                      "Two tunes in one run directory overwrite each other's candidates and ledger (cand-N, tune.json)."):
-            return _run(args, base)
+            return _run(args, base, budget_s)
     except RunLocked as e:
         print(f"tuneledger tune: {e}", file=sys.stderr)
         return 1
 
 
-def _run(args: argparse.Namespace, base: JobConfig) -> int:
+def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> int:
     from tuneledger.model import locate_model
     from tuneledger.preflight_checks import check_data
 
-    budget_s = ts.parse_budget(args.budget)
-    if args.memory_gib is not None and args.memory_gib <= 0:
-        raise ConfigError(f"--memory-gib {args.memory_gib:g}: must be above 0 (GiB per GPU)")
     steps_given = "dryrun_steps" in parse_overrides([i for i in args.items if "=" in i])
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nproc
