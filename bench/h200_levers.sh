@@ -30,7 +30,7 @@ left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   stamp "tests/test_speed.py and tests/test_grouped.py on the GPU"
-  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_padding_mask.py} > /tmp/logs/test_speed_gpu.log 2>&1
+  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_padding_mask.py tests/test_swiglu.py} > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
 if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per layer (bench/compile_check.py)
@@ -88,12 +88,14 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     nomask) o="$AUTO drop_padding_mask=true";;   # padded rows without their attention mask: SDPA's causal flash kernel
     fast) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true";;   # the opt-in levers together
     fastcpp) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true compile_cpp_wrapper=true";;
+    lean) o="$AUTO swiglu_recompute=true";;   # the MLP's down_proj input remade in backward, not kept (swiglu.py): memory
+    fastlean) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true swiglu_recompute=true";;
     unsl) o="$AUTO use_unsloth=true packing=false";;   # tuneledger's dry-run with Unsloth as the model backend (use_unsloth)
     gcout) o="$AUTO";; # A/B: transformers' checkpoint around the compiled layers, as before compiled.checkpoint_inside
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
     pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|fastlean|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"

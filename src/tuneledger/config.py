@@ -81,6 +81,10 @@ class JobConfig(BaseModel):
     # padded micro-batches train without their attention mask (right padding makes causal attention
     # alone exact: trainer.padding_mask_lever), so SDPA runs its flash kernel. Off until measured
     drop_padding_mask: bool = False
+    # the MLP's down_proj input silu(gate) x up remade in backward from gate and up, not kept
+    # (swiglu.py): T x intermediate values per layer less memory without checkpointing (about
+    # 1.5 GiB on preset C), one elementwise pass more. Off until measured on a GPU; needs fused_lora
+    swiglu_recompute: bool = False
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]
@@ -264,6 +268,9 @@ class JobConfig(BaseModel):
         if self.grouped_lora and self.lora_dropout:
             raise ValueError(f"grouped_lora: true needs lora_dropout 0 (it is {self.lora_dropout:g}): a group would draw "
                              "one dropout mask where peft draws one per projection. Set lora_dropout=0 or grouped_lora=false")
+        if self.swiglu_recompute and self.fused_lora is False:
+            raise ValueError("swiglu_recompute: true needs the fused LoRA projection, but fused_lora is false: unset "
+                             "fused_lora (on where it applies) or set swiglu_recompute=false")
         if self.grouped_lora and self.fused_lora is False:
             raise ValueError("grouped_lora: true needs the fused LoRA projection, but fused_lora is false: unset "
                              "fused_lora (on where it applies) or set grouped_lora=false")

@@ -23,7 +23,7 @@ GC_OFF_FACTOR = 6.0
 SPACE_KEYS = ("per_device_train_batch_size", "gradient_checkpointing", "packing", "gradient_accumulation_steps", "preset")
 # The speed levers `--levers` may try on the pick, one variant each (docs/speed.md has what each does).
 LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "drop_padding_mask",
-              "torch_compile", "compile_cpp_wrapper")
+              "swiglu_recompute", "torch_compile", "compile_cpp_wrapper")
 
 
 # A candidate's short dry-run, unless the user gives dryrun_steps.

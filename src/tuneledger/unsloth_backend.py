@@ -9,7 +9,8 @@ the launcher sets TUNELEDGER_USE_UNSLOTH=1 and tuneledger.worker imports it befo
 `quantization_bit: 4`) and gets LoRA from FastLanguageModel.get_peft_model with the config's rank,
 alpha, dropout, targets and seed; gradient checkpointing is Unsloth's own ("unsloth": offloaded to
 the CPU). The rest of the run (Trainer, data, ledger) is tuneledger's. tuneledger's own model levers
-(fused LoRA, grouped LoRA, compiled layers, Liger, absmax_once) are off: Unsloth brings its own.
+(fused LoRA, grouped LoRA, compiled layers, Liger, absmax_once, swiglu_recompute) are off: Unsloth
+brings its own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 ENV = "TUNELEDGER_USE_UNSLOTH"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # tuneledger's own model levers, which Unsloth's patched model replaces.
-OWN_LEVERS = ("enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "torch_compile", "compile_cpp_wrapper")
+OWN_LEVERS = ("enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "swiglu_recompute", "torch_compile",
+              "compile_cpp_wrapper")
 
 
 def import_first() -> None:
