@@ -1,6 +1,6 @@
-"""The launcher's one-line cause of a failed run (tuneledger.launch.FailureReader)."""
+"""The launcher's one-line cause of a failed run (tuneledger.rank_output.FailureReader)."""
 
-from tuneledger.launch import FailureReader
+from tuneledger.rank_output import FailureReader
 
 # What torchrun 2.5 printed when a tester kill -9'ed rank 1 of a 2-rank CPU training (abridged).
 KILLED_RANK_1 = """\

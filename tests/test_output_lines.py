@@ -347,7 +347,7 @@ def test_torchruns_own_traceback_after_a_stop_is_one_line():
     """Issue 21: a SIGTERM as the ranks started printed torchrun's SignalException traceback under the
     launcher's own last line. After a stop signal it is one line (the log keeps it); before one, and
     for any other error, a traceback is shown whole."""
-    from tuneledger.launch import StopTraceback
+    from tuneledger.rank_output import StopTraceback
 
     tb = ["Traceback (most recent call last):\n", '  File "run.py", line 9, in main\n', "    agent.run()\n",
           "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15\n"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,74 +22,8 @@ from typing import Iterator
 
 from tuneledger.config import ConfigError
 from tuneledger.nodes import Nodes, nccl_env
+from tuneledger.rank_output import FailureReader, StopTraceback
 from tuneledger.words import plural
-
-# The last line of a Python traceback, with or without torchrun's "[rankN]: " prefix.
-ROOT_CAUSE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:.*)$")
-# torchrun's failure summary: "  rank      : 1 (local_rank: 1)" ... "  traceback : Signal 9 (SIGKILL) received by PID 7".
-FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
-RANK_SIGNAL = re.compile(r"Signal (\d+) \((\w+)\) received by PID")
-
-
-class FailureReader:
-    """Reads the launcher's output line by line and keeps what caused a failure, once: the last line
-    of each distinct traceback, and first of all a rank that died of a signal (torchrun's summary
-    says "rank : 1 (local_rank: 1)" ... "Signal 9 (SIGKILL) received by PID"), since the other ranks'
-    errors (a lost connection, a timeout) only follow from it."""
-
-    WHY = {"SIGKILL": "the kernel's out-of-memory killer (see `dmesg`) or a kill -9",
-           "SIGSEGV": "a crash in native code (a CUDA or library fault)",
-           "SIGBUS": "a bus error: often a full /dev/shm (docker run --shm-size, or ipc: host)"}
-
-    def __init__(self) -> None:
-        self.killed: dict[str, None] = {}
-        self.errors: dict[str, None] = {}
-        self.signals: set[str] = set()  # the signals the killed ranks died of (SIGKILL, SIGTERM, ...)
-        self._rank = "?"
-
-    def feed(self, line: str) -> None:
-        cause = ROOT_CAUSE.match(line)
-        if cause and "ChildFailedError" not in line:
-            self.errors[cause.group(1).strip()] = None
-        rank, sig = FAILED_RANK.match(line), RANK_SIGNAL.search(line)
-        if rank:
-            self._rank = rank.group(1)
-        if sig:
-            num, name = sig.groups()
-            self.signals.add(name)
-            self.killed[f"rank {self._rank} was killed by {name} (signal {num}): {self.WHY.get(name, 'a signal')}; "
-                        "the other ranks' errors follow from it"] = None
-
-    def causes(self) -> list[str]:
-        """At most 4 lines: the killed ranks, then the last 3 distinct errors."""
-        return [*self.killed, *list(self.errors)[-3:]][:4]
-
-
-class StopTraceback:
-    """What the terminal shows of the ranks' output once a stop signal was passed on: torchrun answers
-    it with its own `SignalException` traceback, which says nothing the launcher's last line does not;
-    that traceback becomes one line (the log keeps it whole). Every other traceback is shown."""
-
-    def __init__(self, log_path: Path | None):
-        self.where = f" (its traceback is in {log_path})" if log_path else ""
-        self.held: list[str] = []
-
-    def shown(self, line: str, stop_signal: str | None) -> str:
-        """The text to show for `line` ("" while a traceback is held); `stop_signal`: the signal's
-        name once one was passed on, else None. shown("", None) gives back what is still held."""
-        if not (self.held or (stop_signal and line.startswith("Traceback (most recent call last)"))):
-            return line
-        if not line:
-            text, self.held = "".join(self.held), []
-            return text
-        self.held.append(line)
-        if not ROOT_CAUSE.match(line):
-            return ""
-        text, self.held = "".join(self.held), []
-        if "SignalException" in line:
-            return f"launch: torchrun stopped by the {stop_signal} passed on to it{self.where}\n"
-        return text
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
