@@ -127,25 +127,40 @@ def test_the_ledger_names_swiglu_recompute_only_when_asked(tiny_model):
 
 
 @pytest.mark.slow
-def test_compiled_recomputed_swiglu_has_eager_gradients_and_no_graph_break(tiny_model):
-    """Inside compiled decoder layers (presets C and D on a GPU): eager's gradients, and no graph
-    break or compile the fused path's compiled layers do not have."""
+@pytest.mark.parametrize("checkpoint", [pytest.param(False, id="C-D"), pytest.param(True, id="A-B-checkpoint-inside")])
+def test_compiled_recomputed_swiglu_has_eager_gradients_and_no_graph_break(tiny_model, checkpoint):
+    """Inside compiled decoder layers (presets C and D on a GPU; A and B with the checkpoint
+    traced inside the layer): eager's gradients, and no graph break or compile that the fused
+    path's compiled layers do not have."""
     from torch import _dynamo
     from torch._dynamo.utils import counters
+
+    def build(recompute: bool):
+        m = _model(tiny_model, recompute)
+        if checkpoint:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
 
     def compiled_run(recompute: bool):
         _dynamo.reset()
         counters.clear()
-        m = _model(tiny_model, recompute)
-        compiled.compile_layers(m, True, DEVICE, fused=True, quantized=False)
+        m = build(recompute)
+        compiled.compile_layers(m, True, DEVICE, fused=True, quantized=False, checkpoint=checkpoint)
         out = _grads(m)
-        return out, (dict(counters["graph_break"]), counters["stats"]["unique_graphs"])
+        m.zero_grad(set_to_none=True)
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            m(input_ids=IDS[:1, :50], labels=IDS[:1, :50])
+        wide = sum(1 for s in shapes if s and s[-1] == m.config.intermediate_size and 50 in s) / m.config.num_hidden_layers
+        return out, (dict(counters["graph_break"]), counters["stats"]["unique_graphs"]), wide
 
-    l0, g0 = _grads(_model(tiny_model, True))
-    _, fused_breaks = compiled_run(False)
-    (l1, g1), breaks = compiled_run(True)
+    l0, g0 = _grads(build(True))
+    _, fused_breaks, fused_wide = compiled_run(False)
+    (l1, g1), breaks, wide = compiled_run(True)
     _dynamo.reset()
     assert breaks == fused_breaks, (breaks, fused_breaks)
+    if not checkpoint:  # the compiler's partitioner keeps gate's, up's and h; with the lever gate's and up's
+        assert (fused_wide, wide) == (3, 2), (fused_wide, wide)
     assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
     rel, name = _worst(g0, g1)
     assert rel < 1e-4, (name, rel)
