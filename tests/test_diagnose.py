@@ -223,3 +223,25 @@ def test_a_host_bound_verdict_names_the_opt_in_levers_the_run_could_take():
     assert d["bottleneck"] == "host-bound"
     assert "`tuneledger tune --levers grouped_lora=true+absmax_once=true+drop_padding_mask=true`" in d["lever"]
     assert "opt-in" not in diagnose(host)["lever"]
+
+
+def test_a_memory_bound_verdict_names_swiglu_recompute_before_checkpointing():
+    """Without checkpointing, a run whose LoRA projections are fused could keep one [tokens,
+    intermediate] tensor per layer less (swiglu_recompute) before paying checkpointing's recompute;
+    with checkpointing on, or the lever on, or no fused projection, it is not named."""
+    from tuneledger.diagnose import memory_levers
+
+    row = {"config": {"swiglu_recompute": False}, "model": {"levers": {"fused_lora": "on (196 projections)"}},
+           "gradient_checkpointing": False}
+    assert memory_levers(row) == ["swiglu_recompute=true"]
+    assert memory_levers({**row, "gradient_checkpointing": True}) == []
+    assert memory_levers({**row, "config": {"swiglu_recompute": True}}) == []
+    assert memory_levers({**row, "model": {"levers": {"fused_lora": "off"}}}) == []
+    assert memory_levers({}) == []
+    full = {"util_mean_pct": 96, "mem_peak_frac": 0.95, "allreduce_share": 0.0, "data_wait_share": 0.0,
+            "micro_batch": 8, "gradient_checkpointing": False}
+    d = diagnose({**full, "memory_levers": memory_levers(row)})
+    assert d["bottleneck"] == "memory-bound"
+    assert d["lever"].startswith("swiglu_recompute=true (one [tokens, intermediate] tensor per layer less")
+    assert d["lever"].index("swiglu_recompute") < d["lever"].index("gradient checkpointing on")
+    assert "swiglu_recompute" not in diagnose(full)["lever"]

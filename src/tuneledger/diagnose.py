@@ -15,6 +15,8 @@ steady window (all optional; None = not measured):
                            (a spread above imbalance_util_pts counts as imbalance)
     untried_levers         opt-in speed levers off that this run could take ("key=true", untried_levers):
                            named in a host-bound verdict's lever
+    memory_levers          opt-in memory levers off that this run could take (memory_levers): named
+                           first in a memory-bound verdict's lever, before checkpointing's recompute
     on_cpu                 a CPU run (gloo): there is no GPU to measure, so only rules 1 and 2
                            apply, and the lever of "unknown" is a dry-run on the GPUs, not the
                            monitor (it samples GPUs: on a CPU it has nothing to measure)
@@ -162,7 +164,8 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
     elif mem is not None and mem >= t.memory_frac:
         kind = "memory-bound"
         why = f"peak memory is {mem:.0%} of the GPU (>= {t.memory_frac:.0%}): no room for a bigger batch, little margin"
-        levers = []
+        levers = [f"{k} (one [tokens, intermediate] tensor per layer less kept for backward; its time cost is "
+                  "not measured yet: docs/speed.md)" for k in inputs.get("memory_levers") or []]
         if gc is False:
             levers.append("gradient checkpointing on")
         if mb is None or mb > 1:
@@ -215,6 +218,17 @@ def _host_lever(mb: Any, gc: Any, mem_note: str, untried: list[str] | None = Non
                       f"preset C +53% on an H100; `tuneledger tune --levers {'+'.join(untried)}` measures them here)")
     levers.append("compiled or CUDA-graphed steps")
     return ", ".join(levers[:-1]) + ", or " + levers[-1]
+
+
+def memory_levers(row: dict) -> list[str]:
+    """The opt-in memory levers (docs/speed.md) that a dry-run row ran without and could take, as
+    "key=true": swiglu_recompute where the LoRA projections are fused and checkpointing is off
+    (with it on, a layer's activations are remade anyway). [] when none."""
+    cfg, levers = row.get("config") or {}, (row.get("model") or {}).get("levers") or {}
+    if (not cfg.get("swiglu_recompute") and row.get("gradient_checkpointing") is False
+            and str(levers.get("fused_lora", "")).startswith("on")):
+        return ["swiglu_recompute=true"]
+    return []
 
 
 def untried_levers(row: dict) -> list[str]:

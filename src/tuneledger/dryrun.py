@@ -90,7 +90,7 @@ def verdict(row: dict, rows: list[dict], nproc: int, cpu: bool = False) -> dict:
     """GPU figures of the steady window (from the sampler's rows) and the bottleneck verdict.
     Only the GPUs the ranks used count: an idle neighbour must not dilute the utilisation.
     `cpu`: a CPU run, whose verdict does not send the user to the GPU monitor."""
-    from tuneledger.diagnose import diagnose, load_thresholds, untried_levers
+    from tuneledger.diagnose import diagnose, load_thresholds, memory_levers, untried_levers
     from tuneledger.monitor.summary import summarize_window
 
     gpu = summarize_window(rows, *row["window_utc"], gpus=used_gpus(nproc)) if rows else None
@@ -107,7 +107,7 @@ def verdict(row: dict, rows: list[dict], nproc: int, cpu: bool = False) -> dict:
         "data_wait_share": split["data_wait_s"] / row["s_per_step"],
         "micro_batch": row["micro_batch"], "gradient_checkpointing": row["gradient_checkpointing"], "mfu": row["mfu"],
         "imbalance": gpu["imbalance"] if gpu else None, "util_spread_pts": gpu["util_spread_pts"] if gpu else None,
-        "on_cpu": cpu, "untried_levers": untried_levers(row),
+        "on_cpu": cpu, "untried_levers": untried_levers(row), "memory_levers": memory_levers(row),
     }
     return {"gpu_window": gpu, "diagnosis_inputs": inputs, "diagnosis": diagnose(inputs, load_thresholds())}
 
