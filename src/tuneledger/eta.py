@@ -236,13 +236,19 @@ def find_prediction(dryrun_json: Path, config: dict, world_size: int, data_hash:
 
     if not dryrun_json.is_file():
         return None, f"no dry-run ledger at {dryrun_json}"
-    led = json.loads(dryrun_json.read_text())
+    try:
+        led = json.loads(dryrun_json.read_text())
+    except (OSError, ValueError) as e:  # a damaged ledger (a full disk, a kill mid-write): no prediction, not a fault
+        return None, f"{dryrun_json} cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(led, dict):
+        return None, f"{dryrun_json} is not a dry-run ledger (a JSON {type(led).__name__}, not an object)"
     if led.get("world_size") != world_size or (led.get("backend") == "gloo") != cpu:
         return None, (f"{dryrun_json} measured {led.get('world_size')} x {led.get('backend')} processes; this run has "
                       f"{world_size} x {'gloo' if cpu else 'nccl'}")
     if led.get("data_hash") != data_hash:
         return None, f"{dryrun_json} measured other data (cache {led.get('data_hash')}, this run {data_hash})"
-    rows = [r for r in led.get("presets", []) if "eta" in r and "parts" in r["eta"]]
+    rows = [r for r in led.get("presets") or [] if isinstance(r, dict) and isinstance(r.get("eta"), dict)
+            and "parts" in r["eta"] and isinstance(r.get("config"), dict)]
     if not rows:
         return None, f"{dryrun_json} has no measured preset with an ETA of its parts (an older ledger?)"
     diffs = {r["preset"]: differences(r["config"], config) for r in rows}

@@ -307,7 +307,11 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
               + (f", eval loss {result['best_eval_loss']:.4f}" if result["best_checkpoint"] else ""))
     if cfg.plot_loss and (out / "training_loss.png").is_file():
         print(f"loss plot: {out / 'training_loss.png'}")
-    check_eta(result, cfg, startup, prep.report, nodes.world_size(nproc), cpu, t_launch, t_exit)
+    try:  # bookkeeping after a finished run: its failure must not mark the run as failed
+        check_eta(result, cfg, startup, prep.report, nodes.world_size(nproc), cpu, t_launch, t_exit)
+    except Exception as e:  # noqa: BLE001 (any fault of the check; the run's checkpoint is already saved)
+        result["eta_check"] = {"skipped": f"the ETA check failed: {type(e).__name__}: {e}"}
+        print(f"warning: ETA check skipped: {type(e).__name__}: {e}", file=sys.stderr)
     result_path.write_text(json.dumps(result, indent=1))
     return 0
 
