@@ -361,7 +361,8 @@ def test_collapse_warns_once(capsys):
 def test_disk_full_errors_are_recognised_in_every_form_they_take(tmp_path):
     import errno
 
-    from tuneledger.guards import disk_full, disk_full_message
+    from tuneledger.files import disk_full
+    from tuneledger.guards import disk_full_message
 
     assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
     assert disk_full(RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/3: file write failed"))
@@ -376,6 +377,79 @@ def test_disk_full_errors_are_recognised_in_every_form_they_take(tmp_path):
     msg = disk_full_message(tmp_path / "checkpoint-4", 13_000_000, tmp_path / "checkpoint-2")
     assert "checkpoint-4: a checkpoint needs 13,000,000 bytes" in msg and "bytes are free there" in msg
     assert "checkpoint-2, is kept" in msg
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs (root only, as CI's container runs), unmounted after the test."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("a tmpfs mount needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def _fill(mnt: Path) -> None:
+    with open(mnt / "ballast", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_ledger_written_on_a_full_disk_keeps_the_earlier_one_whole(small_tmpfs):
+    """ledger.write goes through a temporary file and a rename: the disk filling up mid-write
+    leaves the earlier dryrun.json as it was (not 0 bytes, as a plain write_text did), and no
+    temporary file behind."""
+    import errno
+
+    from tuneledger import ledger
+
+    ledger.write(small_tmpfs, "dryrun", {"presets": [{"preset": "A"}]}, "# old\n")
+    old = (small_tmpfs / "dryrun.json").read_text()
+    _fill(small_tmpfs)
+    with pytest.raises(OSError) as e:
+        ledger.write(small_tmpfs, "dryrun", {"presets": [{"preset": "B", "pad": "x" * 200_000}]}, "# new\n")
+    assert e.value.errno == errno.ENOSPC
+    assert (small_tmpfs / "dryrun.json").read_text() == old
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["ballast", "dryrun.json", "dryrun.md"]
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    """The same without a tmpfs: the write fails at fsync (as ENOSPC shows up on some filesystems)."""
+    import errno
+
+    from tuneledger import files
+
+    path = tmp_path / "result.json"
+    files.write_text_atomic(path, "old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError):
+        files.write_text_atomic(path, "new")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_a_full_disk_at_any_file_operation_is_one_line_not_a_traceback(tmp_path, tiny_model, small_tmpfs):
+    """A verb that meets a full disk anywhere (here the run folder's lock, before preflight can
+    speak) ends with one line naming it, exit 1."""
+    _fill(small_tmpfs)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
+    p = subprocess.run([sys.executable, "-m", "tuneledger", "stats", f"model_name_or_path={tiny_model}",
+                        f"dataset={data}", f"output_dir={small_tmpfs / 'run'}", f"cache_dir={tmp_path / 'cache'}"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = [line for line in p.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("tuneledger stats: disk full: ") and "then run the same command again" in last, last
 
 
 def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, tmp_path):

@@ -121,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(e, "exit_code", 1)
     except KeyboardInterrupt:
         return 130
+    except OSError as e:
+        from tuneledger.files import disk_full
+
+        if not disk_full(e):
+            raise
+        # A full disk at any file operation (a lock, a job file, a ledger) is the user's to fix:
+        # one line naming it, not a traceback. Saves name their checkpoint (guards.DiskFullError).
+        print(f"tuneledger {args.verb}: disk full: {e}. Free space there (`df -h`), then run the same command again",
+              file=sys.stderr)
+        return 1
     except Exception as e:
         # A DataError can only come from tuneledger.data once imported; importing it here would
         # load numpy and the tokenizer code for `--help` and config errors too.

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tuneledger.files import write_text_atomic
 from tuneledger.words import plural
 
 if TYPE_CHECKING:  # prepare.Prepared and data.Invalid are named as strings: prepare and data import this module
@@ -169,7 +170,7 @@ def write(prep: "Prepared", cfg: JobConfig, gate_passed: bool = True, training: 
     out = dict(prep.report, dataset=cfg.dataset, model=cfg.model_name_or_path, template=cfg.template,
                gate_passed=gate_passed)
     path = out_dir / f"stats{suffix}.json"
-    path.write_text(json.dumps(out, indent=1, ensure_ascii=False))
+    write_text_atomic(path, json.dumps(out, indent=1, ensure_ascii=False))
     with open(out_dir / f"invalid{suffix}.jsonl", "w", encoding="utf-8") as f:
         for inv in prep.invalid:
             f.write(json.dumps(inv.as_dict(), ensure_ascii=False) + "\n")

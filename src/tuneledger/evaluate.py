@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneledger.checkpoints import LoadError
+from tuneledger.files import write_text_atomic
 from tuneledger.loading import load
 
 
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                        "max_new_tokens": max_new, "prompts_cut_to_cutoff_len": cut, "generation": "greedy"})
         said = f"; {len(rows):,} greedy predictions (at most {max_new} new tokens each) in {pred}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    write_text_atomic(out, json.dumps(result, indent=1, ensure_ascii=False))
     print(f"eval {loaded.source} on {','.join(dataset)}: {len(ds):,} records ({rec['invalid']:,} invalid, not "
           f"scored), {s['supervised_tokens']:,} supervised tokens: loss {loss:.4f}, perplexity {math.exp(loss):.3f}; "
           f"wrote {out}{said}")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tuneledger import quiet
+from tuneledger.files import disk_full
 
 quiet.install()  # before transformers imports bitsandbytes, which logs at import
 from transformers import TrainerCallback  # noqa: E402
@@ -47,19 +48,6 @@ CONFIG_IN_CHECKPOINT = CONFIG
 
 class DiskFullError(OSError):
     """A save ran out of disk. The message names the path, the bytes needed and the bytes free."""
-
-
-def disk_full(exc: BaseException) -> bool:
-    """True if `exc` (or what caused it) is ENOSPC: an OSError, or torch's and safetensors' own
-    errors, which carry only the text ("file write failed", "No space left on device")."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        text = str(exc)
-        if "No space left on device" in text or "file write failed" in text:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def disk_full_message(ckpt: Path, need: int | None, good: Path | None) -> str:

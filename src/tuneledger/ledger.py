@@ -24,6 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from tuneledger.files import write_text_atomic
 from tuneledger.words import plural  # noqa: F401  (ledger.plural, as the verbs import it)
 
 GIB = 2**30
@@ -266,5 +267,6 @@ def fmt_h(seconds: float) -> str:
 
 def write(out_dir: Path, name: str, ledger: dict, markdown: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(ledger, indent=1, ensure_ascii=False, default=str))
-    (out_dir / f"{name}.md").write_text(markdown)
+    # Whole or not at all: a full disk mid-write keeps the earlier ledger, never a cut one (files.py).
+    write_text_atomic(out_dir / f"{name}.json", json.dumps(ledger, indent=1, ensure_ascii=False, default=str))
+    write_text_atomic(out_dir / f"{name}.md", markdown)

@@ -8,6 +8,7 @@ Both write to <png>.tmp.png and rename, so a run killed while drawing leaves the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -31,8 +32,14 @@ def save_figure(fig: Any, png: Path) -> Path:
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
     tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, png)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, png)
+    except BaseException:
+        # No half picture, and no earlier run's picture beside the new ledger as if it were its own.
+        tmp.unlink(missing_ok=True)
+        png.unlink(missing_ok=True)
+        raise
     return png
 
 
@@ -43,7 +50,10 @@ def picture(draw: Any, *args: Any, **kw: Any) -> Path | None:
     try:
         return draw(*args, **kw)
     except Exception as e:  # noqa: BLE001
-        print(f"WARNING: no picture {args[1]}: {type(e).__name__}: {e}; the ledger is written without it", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            Path(args[1]).unlink(missing_ok=True)
+        print(f"WARNING: no picture {args[1]}: {type(e).__name__}: {e}; the ledger is written without it "
+              "(an earlier picture there is removed)", file=sys.stderr)
         return None
 
 

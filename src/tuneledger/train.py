@@ -25,6 +25,7 @@ from tuneledger import eta as eta_
 from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
 from tuneledger.config import JobConfig, describe, resolve
 from tuneledger.config_load import add_preset_option, from_cli
+from tuneledger.files import write_text_atomic
 from tuneledger.launch import BeforeRanks, StoppedBeforeStart, processes, run_workers, used_gpus
 from tuneledger.ledger import plural, total_steps
 from tuneledger.model import PreflightError, locate_model, read_model_config
@@ -256,7 +257,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     result = json.loads(result_path.read_text())
     if nodes.multi:
         result["nodes"] = summary(nodes, nproc, result, out / "nccl")
-        result_path.write_text(json.dumps(result, indent=1))
+        write_text_atomic(result_path, json.dumps(result, indent=1))
         print(f"nodes: {nodes.nnodes} x {plural(nproc, 'process', 'processes')}: {', '.join(result['nodes']['hosts'])}; NCCL: "
               f"{result['nodes']['nccl'] or 'n/a (gloo, or NCCL_DEBUG set elsewhere)'}")
     stopped = result.get("stopped") or {}
@@ -276,7 +277,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
 
         gpu = summarize_window(rows, started, datetime.now(timezone.utc), gpus=used_gpus(nproc))
         result["gpu_window"] = gpu
-        result_path.write_text(json.dumps(result, indent=1))
+        write_text_atomic(result_path, json.dumps(result, indent=1))
         util = gpu["util_mean_pct"]
         total_mib = max((g["mem_total_mib"] or 0) for g in gpu["gpus"]) if gpu["gpus"] else None
         print(f"GPUs over the run: util {'-' if util is None else f'{util:.0f}%'} mean"
@@ -312,7 +313,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     except Exception as e:  # noqa: BLE001 (any fault of the check; the run's checkpoint is already saved)
         result["eta_check"] = {"skipped": f"the ETA check failed: {type(e).__name__}: {e}"}
         print(f"warning: ETA check skipped: {type(e).__name__}: {e}", file=sys.stderr)
-    result_path.write_text(json.dumps(result, indent=1))
+    write_text_atomic(result_path, json.dumps(result, indent=1))
     return 0
 
 

@@ -22,7 +22,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from tuneledger.checkpoints import MANIFEST  # noqa: E402
 from tuneledger.config import JobConfig  # noqa: E402
-from tuneledger.guards import DiskFullError, SealCheckpoint, disk_full, disk_full_message  # noqa: E402
+from tuneledger.files import disk_full  # noqa: E402
+from tuneledger.guards import DiskFullError, SealCheckpoint, disk_full_message  # noqa: E402
 from tuneledger.safeload import checkpoint_loading  # noqa: E402
 
 

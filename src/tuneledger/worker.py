@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from tuneledger import quiet  # noqa: E402
 from tuneledger.checkpoints import best_checkpoint, last_checkpoint  # noqa: E402
 from tuneledger.config import JobConfig  # noqa: E402
+from tuneledger.files import write_text_atomic  # noqa: E402
 from tuneledger.guards import CrashAfterStep, NonFiniteGuard, SealCheckpoint, StopOnSignal, set_parent_death_signal  # noqa: E402
 from tuneledger.ledger import compiled, run_loss  # noqa: E402
 from tuneledger.nodes import check_same_nodes, host_name  # noqa: E402
@@ -70,7 +71,7 @@ def main(job_path: str) -> int:
     result = fit(cfg, job, device, rank, report_to, stopper)
     result["timeline"]["main"] = started
     if rank == 0:
-        Path(job["result_path"]).write_text(json.dumps(result, indent=1))
+        write_text_atomic(job["result_path"], json.dumps(result, indent=1))
     import torch.distributed as dist
 
     if dist.is_initialized():

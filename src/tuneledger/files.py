@@ -1,0 +1,42 @@
+"""Writing the files a run leaves, so that a full disk or a kill mid-write never leaves half of
+one where a whole one was (a 0-byte dryrun.json that the next `train` then cannot read), and
+telling a full disk apart from other faults (`disk_full`)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` through a temporary file beside it, fsync'd, then a rename:
+    a reader sees the old file or the new one, never part of either. On any error the temporary
+    file is removed and the old file, if any, is left as it was; the error is raised (OSError,
+    e.g. ENOSPC)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """True if `exc` (or what caused it) is a full disk or quota (ENOSPC, EDQUOT): an OSError, or
+    torch's and safetensors' own errors, which carry only the text ("file write failed", "No space
+    left on device")."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "file write failed" in text or "Disk quota exceeded" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
