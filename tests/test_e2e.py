@@ -131,8 +131,9 @@ def test_sigterm_to_the_dryrun_launcher_stops_every_rank(tmp_path, tiny_model):
         procs.kill_tree(proc.pid)
 
 
-def _sigterm_when(args, log_path, text):
-    """Start a CPU dry-run, SIGTERM its launcher once `text` is in its output; returns (rc, output)."""
+def _sigterm_when(args, log_path, text, signum=signal.SIGTERM):
+    """Start a CPU dry-run, SIGTERM its launcher once `text` is in its output (SIGINT: to its whole
+    process group, as Ctrl-C in a terminal does); returns (rc, output)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tuneledger", "dryrun", *args], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -141,7 +142,10 @@ def _sigterm_when(args, log_path, text):
         while text not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert proc.poll() is None, log_path.read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signum)
         return proc.wait(timeout=180), log_path.read_text()
     finally:
         procs.kill_tree(proc.pid)
@@ -164,3 +168,16 @@ def test_sigterm_keeps_the_presets_measured_and_never_replaces_a_ledger_with_not
     rc, out = _sigterm_when(args, tmp_path / "out2.log", "=== [1/4]")
     assert rc == 143 and "no preset finished" in out and "is left as it was" in out, out[-3000:]
     assert (tmp_path / "dry" / "dryrun.json").read_bytes() == before
+
+
+def test_ctrl_c_keeps_the_presets_measured_and_exits_130(tmp_path, tiny_model):
+    """Ctrl-C (SIGINT to the terminal's process group) after preset A finished: A's row is kept,
+    the rest say interrupted, exit 130 as docs/runs-and-output.md gives it (it was 1)."""
+    args = [*small(tmp_path, tiny_model, "dry", "dryrun_steps=3", "dryrun_warmup_steps=1"), "--preset", "all",
+            "--nproc", "1", "--cpu"]
+    rc, out = _sigterm_when(args, tmp_path / "out.log", "\npreset A: ", signal.SIGINT)
+    assert rc == 130, out[-3000:]
+    rows = {r["preset"]: r for r in json.loads((tmp_path / "dry" / "dryrun.json").read_text())["presets"]}
+    assert "s_per_step" in rows["A"] and set(rows) == {"A", "B", "C", "D"}, out[-3000:]
+    assert all(rows[p].get("skipped") == "interrupted" for p in "BCD" if "s_per_step" not in rows[p])
+    assert "interrupted: writing the ledger of the presets measured so far" in out

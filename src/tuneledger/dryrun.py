@@ -336,7 +336,8 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         stopped = "terminated (SIGTERM)"
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
-    rc = 143 if stopped.startswith("terminated") else 0 if done else 1  # a killed command's code (docs/runs-and-output.md)
+    # A stopped command's code (docs/runs-and-output.md): 143 for SIGTERM, 130 for Ctrl-C, as a shell reports them.
+    rc = 143 if stopped.startswith("terminated") else 130 if stopped == "interrupted" else 0 if done else 1
     if stopped:
         rows += [{"preset": n, "skipped": stopped} for n in names if n not in {r["preset"] for r in rows}]
         if not done and (out_root / "dryrun.json").exists():  # an earlier, whole ledger is worth more than none
