@@ -286,3 +286,39 @@ def test_a_preset_the_dry_run_did_not_measure_is_left_out_and_said(tmp_path):
     path.write_text(json.dumps({**led, "presets": [{"preset": "A", "skipped": "interrupted"}]}))
     r = tuneledger(str(path), "--gpus", "8x4090-pcie")
     assert r.returncode == 2 and "no preset was measured (A: interrupted): nothing to scale from" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------- a fresh user's trial of docs/whatif.md
+ONE = str(SCALING / "dryrun-1gpu.json")
+
+
+@pytest.fixture
+def whatif_cli(capsys):
+    """`tuneledger whatif ARGV...` in this process (seconds faster than a subprocess each):
+    a CompletedProcess-like (returncode, stdout, stderr)."""
+    def call(*argv: str) -> argparse.Namespace:
+        capsys.readouterr()
+        rc = cli_rc(["whatif", *argv])
+        got = capsys.readouterr()
+        return argparse.Namespace(returncode=rc, stdout=got.out, stderr=got.err)
+    return call
+
+
+def test_source_gpu_shares_the_gpu_lookup_and_its_error(whatif_cli):
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--source-gpu", "nosuch")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "--source-gpu 'nosuch': unknown GPU kind. known GPU kinds: 4090-pcie, A100-80g-nvlink, H100-sxm, H200-sxm" in r.stderr
+    assert "bf16_tflops:" in r.stderr and "cannot read the hardware file" not in r.stderr
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--source-gpu", "h200")
+    assert r.returncode == 2 and "Did you mean H200-sxm?" in r.stderr
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--source-gpu", "h200-SXM", "--preset", "A")
+    assert r.returncode == 0, r.stderr
+
+
+def test_counts_are_said_in_words(whatif_cli):
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--preset", "A", "--steps", "1", "--save-steps", "1")
+    assert r.returncode == 0
+    assert "ETA of `train`, 1 step: " in r.stdout and "+ 1 save x " in r.stdout
+    assert "1 saves" not in r.stdout and "1 steps" not in r.stdout
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--preset", "A", "--steps", "400", "--save-steps", "200")
+    assert "400 steps: " in r.stdout and "+ 2 saves x " in r.stdout

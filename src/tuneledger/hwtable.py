@@ -141,39 +141,70 @@ def builtin() -> dict[str, Hardware]:
     return out
 
 
-def known_line() -> str:
+def known_line(with_count: bool = True) -> str:
+    """The known kinds and the YAML form, for an error. `with_count`: written COUNTxKIND (--gpus), else
+    the kind alone (--source-gpu)."""
     names = [h.name for h in builtin().values()]
-    return (f"known GPU kinds: {', '.join(names)}, written COUNTxKIND (e.g. 8x{names[0]}, 1x{names[-1]}); "
-            f"or a YAML file of your own:\n{YAML_FORM}")
+    form = (f"written COUNTxKIND (e.g. 8x{names[0]}, 1x{names[-1]})" if with_count
+            else f"written as the kind alone (e.g. {names[-1]})")
+    return f"known GPU kinds: {', '.join(names)}, {form}; or a YAML file of your own:\n{YAML_FORM}"
 
 
 def did_you_mean(count: str, kind: str, table: dict[str, Hardware]) -> str:
     """' Did you mean 8x4090-pcie?' for a kind that a known one starts with or nearly spells
-    (8x4090, 8xrtx4090), else ''. `count` and `kind` as parse_gpus split them."""
+    (8x4090, 8xrtx4090), else ''. `count` and `kind` as parse_gpus split them; count '' for a kind
+    alone (' Did you mean 4090-pcie?')."""
     import difflib
 
     kind = kind.lower()
     names = {h.name.lower(): h.name for h in table.values()}
     near = [n for n in names if n.startswith(kind) or kind.replace("rtx", "").startswith(n.split("-")[0])]
     near = near or difflib.get_close_matches(kind, list(names), n=1, cutoff=0.6)
-    return f" Did you mean {count}x{names[near[0]]}?" if near else ""
+    return f" Did you mean {count + 'x' if count else ''}{names[near[0]]}?" if near else ""
+
+
+def is_yaml(spec: str) -> bool:
+    """True when a GPU spec names a YAML file (by its suffix, or an existing file) rather than a kind."""
+    return spec.endswith((".yaml", ".yml")) or Path(spec).is_file()
+
+
+def unknown_kind(flag: str, spec: str, name: str, count: str | None = None) -> WhatifError:
+    """The one error for an unknown GPU, --gpus's and --source-gpu's: the spec, a guess, the known
+    kinds and the YAML form. `count` is the COUNT of COUNTxKIND, None for a kind alone."""
+    what = "GPU set" if count is not None else "GPU kind"
+    return WhatifError(f"{flag} {spec!r}: unknown {what}.{did_you_mean(count or '', name, builtin())} "
+                       f"{known_line(with_count=count is not None)}")
+
+
+def lookup_kind(flag: str, spec: str, name: str, count: str | None = None) -> Hardware:
+    """The shipped entry called `name` (case-blind) for option `flag` given `spec`; raises
+    unknown_kind's error for any other name."""
+    table = builtin()
+    if name.lower() not in table:
+        raise unknown_kind(flag, spec, name, count)
+    return table[name.lower()]
 
 
 def parse_gpus(spec: str) -> tuple[Hardware, int]:
     """`8x4090-pcie` or a YAML path -> (Hardware, count). Raises WhatifError listing the known
     kinds and the YAML form for anything else."""
-    if spec.endswith((".yaml", ".yml")) or Path(spec).is_file():
+    if is_yaml(spec):
         hw, count = from_yaml(Path(spec), need_count=True)
         return hw, int(count)
     m = re.fullmatch(r"(\d+)\s*[xX]\s*(.+)", spec.strip())
-    table = builtin()
-    if not m or m.group(2).lower() not in table:
-        guess = did_you_mean(m.group(1), m.group(2), table) if m else did_you_mean("1", spec.strip(), table)
-        raise WhatifError(f"--gpus {spec!r}: unknown GPU set.{guess} {known_line()}")
+    if not m:
+        raise unknown_kind("--gpus", spec, spec.strip(), "1")
+    hw = lookup_kind("--gpus", spec, m.group(2), m.group(1))
     count = int(m.group(1))
     if count < 1:
         raise WhatifError(f"--gpus {spec!r}: the count must be at least 1")
-    return table[m.group(2).lower()], count
+    return hw, count
+
+
+def source_kind(spec: str) -> Hardware:
+    """--source-gpu: a kind (`H200-sxm`) or a YAML file (its `count`, if any, is not used). Raises
+    WhatifError as parse_gpus does."""
+    return from_yaml(Path(spec))[0] if is_yaml(spec) else lookup_kind("--source-gpu", spec, spec.strip())
 
 
 def for_ledger_gpu(name: str) -> Hardware | None:

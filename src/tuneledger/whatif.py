@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tuneledger import costmodel as cm
 from tuneledger.eta import STARTUP, n_saves
-from tuneledger.hwtable import Hardware, WhatifError, builtin, for_ledger_gpu, from_yaml, known_line, parse_gpus
+from tuneledger.hwtable import Hardware, WhatifError, for_ledger_gpu, known_line, parse_gpus, source_kind
 from tuneledger.ledger import fmt_h
 from tuneledger.words import plural
 
@@ -84,8 +84,10 @@ def load_ledger(path: Path) -> dict:
 
 
 def source_gpu(led: dict, spec: str | None) -> Hardware:
+    """The measured GPU's entry: --source-gpu's (a kind or a YAML, as --gpus reads them), else the
+    table's entry for the ledger's GPU name. Raises WhatifError."""
     if spec:
-        return builtin()[spec.lower()] if spec.lower() in builtin() else from_yaml(Path(spec))[0]
+        return source_kind(spec)
     hw = for_ledger_gpu(led["gpu"])
     if hw is None:
         raise WhatifError(f"the ledger's GPU {led['gpu']!r} is not in the table; say which it is with --source-gpu. {known_line()}")
@@ -145,7 +147,7 @@ def describe(pred: dict, src: dict, hw: Hardware, e: dict) -> list[str]:
         lines.append(f"    host = {p['launches']:,.0f} launches x {p['launch_cost_s'] * 1e6:.1f} µs / host_speed {hw.host_speed:g}")
     if n > 1:
         lines.append(f"  all-reduce {ar['s']:.3f} = ring 2x{n - 1}/{n} x {4 * src['params']['P'] / 1e6:,.0f} MB / ({hw.link_gbs:g} GB/s x "
-                     f"{hw.allreduce_efficiency:g}) {ar['bandwidth_s']:.3f} + {ar['buckets']} buckets x {2 * (n - 1)} hops x "
+                     f"{hw.allreduce_efficiency:g}) {ar['bandwidth_s']:.3f} + {plural(ar['buckets'], 'bucket')} x {2 * (n - 1)} hops x "
                      f"{hw.link_latency_us:g} µs {ar['latency_s']:.3f}; not overlapped with the backward")
     fit = ("DOES NOT FIT" if not p["fits"] else "fits, BORDERLINE: within the memory model's error (docs/whatif.md)"
            if borderline(p) else "fits") + f" ({p['usable_gib']:g} GiB usable of {hw.memory_gb:g})"
@@ -155,8 +157,8 @@ def describe(pred: dict, src: dict, hw: Hardware, e: dict) -> list[str]:
                  f"~1 GiB outside the allocator (CUDA context, cuBLAS, NCCL)")
     start = (f"start-up {fmt_h(e['startup_s'])} + " if e["startup_s"] is not None else "")
     tail = "" if e["startup_s"] is not None else " (start-up: not in this ledger, written before the ETA had parts)"
-    lines.append(f"  ETA of `train`, {e['total_steps']:,} steps: {fmt_h(e['total_s'])} = {start}{e['total_steps']:,} x "
-                 f"{p['s_per_step']:.3f} s + {e['checkpoints']} saves x {e['save_s']:.1f} s"
+    lines.append(f"  ETA of `train`, {plural(e['total_steps'], 'step')}: {fmt_h(e['total_s'])} = {start}{e['total_steps']:,} x "
+                 f"{p['s_per_step']:.3f} s + {plural(e['checkpoints'], 'save')} x {e['save_s']:.1f} s"
                  + (f" + finish {e['finish_s']:.1f} s" if e["finish_s"] is not None else "") + tail)
     return lines
 
