@@ -314,3 +314,26 @@ def test_a_finished_run_goes_on_when_asked_for_more(tmp_path, finished, tiny_mod
     assert "resuming from" in p.stdout and "(step 4 of 6)" in p.stdout
     assert [h["step"] for h in logged(run / "checkpoint-6")] == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(h["loss"]) for h in logged(run / "checkpoint-6"))
+    if more == "max_steps=6":
+        # The steps after the resume follow the schedule of the new total (cosine, 1e-4, warm-up
+        # ceil(0.03 x steps)), logged as the first 4 steps were logged against the old one; the first
+        # resumed step used to keep the old schedule's end (0) from the optimizer's saved state.
+        lrs = [h["learning_rate"] for h in logged(run / "checkpoint-6")]
+        shift = next(k for k in (0, 1) if lrs[:4] == pytest.approx(_cosine(4)[k:k + 4], abs=1e-12))
+        assert lrs[4:] == pytest.approx(_cosine(6)[shift + 4:shift + 6], abs=1e-12), lrs
+
+
+def _cosine(total: int) -> list[float]:
+    """transformers' cosine schedule with warm-up as the tiny config sets it: the LR of steps
+    1..total, then the one after the last."""
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-4)
+    sched = get_cosine_schedule_with_warmup(opt, math.ceil(0.03 * total), total)
+    out = []
+    for _ in range(total + 1):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out

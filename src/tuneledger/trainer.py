@@ -74,6 +74,25 @@ class LedgerTrainer(Trainer):
 
     # Optimizer, scheduler and RNG state: loaded so that no code in them can run (safeload.py).
     def _load_optimizer_and_scheduler(self, checkpoint):
+        try:
+            return self._load_optimizer_and_scheduler_safely(checkpoint)
+        finally:
+            if checkpoint:
+                self._lr_from_this_schedule()
+
+    def _lr_from_this_schedule(self) -> None:
+        # The optimizer's saved LR is the old schedule's at the saved step: a finished run given a
+        # higher max_steps would train its next step at the old schedule's end (0 for cosine). This
+        # run's schedule, for the new total, sets it instead (the same value when nothing changed).
+        sched = self.lr_scheduler
+        if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):  # transformers' schedules all are
+            return
+        lrs = [base * fn(sched.last_epoch) for fn, base in zip(sched.lr_lambdas, sched.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs
+
+    def _load_optimizer_and_scheduler_safely(self, checkpoint):
         with checkpoint_loading():
             if not (self.is_fsdp_enabled and checkpoint):
                 return super()._load_optimizer_and_scheduler(checkpoint)
