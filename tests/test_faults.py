@@ -462,6 +462,7 @@ def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, t
     assert tokenizer_bytes(str(tiny_model)) > 11_000_000  # Qwen2.5's tokenizer.json is saved in every checkpoint
     assert one > checkpoint_bytes(cfg, config) + 11_000_000 and "tokenizer" in basis
     assert "4 checkpoints" in check_disk(cfg, config)  # save_total_limit 3 + the one written before rotation
+    assert "room for 2 checkpoints at once (the dry-run's timed save" in check_disk(cfg, config, dryrun=True)
     # A real checkpoint of the run replaces the estimate, and those it holds are already on disk.
     real = fake_checkpoint(tmp_path / "run", 2)
     assert checkpoint_estimate(cfg, config) == (ck.size_of(real), "measured on checkpoint-2")

@@ -48,6 +48,16 @@ def test_not_a_causal_lm_is_refused(tmp_path, tiny_model):
         run_checks(cfg_for(d, tmp_path), cuda=False)
 
 
+def test_a_lora_target_that_is_not_a_layer_is_refused_before_any_rank(tiny_model, tmp_path):
+    """A misspelt lora_target failed inside every rank of every preset, after the weights loaded;
+    now preflight names it with the model's layer names. Names that are there (short or full) pass."""
+    with pytest.raises(PreflightError, match="lora_target: nosuch_proj: no such layer in .*q_proj.*or lora_target: all"):
+        run_checks(cfg_for(tiny_model, tmp_path, lora_target="q_proj,nosuch_proj"), cuda=False)
+    lines = run_checks(cfg_for(tiny_model, tmp_path, lora_target="q_proj, model.layers.0.mlp.down_proj"), cuda=False)
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    assert f"lora_target: q_proj, model.layers.0.mlp.down_proj ({layers + 1} layers)" in lines
+
+
 def test_missing_tensorboard_fails_with_the_fix(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # even if an earlier test imported it

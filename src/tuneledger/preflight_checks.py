@@ -8,6 +8,8 @@ runs them all; dryrun and train run them before anything heavy, in prepare.prepa
 - the output filesystem has room for the checkpoints to keep;
 - the model's config.json is read first and is a text causal LM (a VL variant is refused before
   15 GB are downloaded);
+- every lora_target name is a layer of the model (checked on an empty copy: a misspelt name
+  failed inside every rank of every preset, after the weights loaded);
 - before all of these, in dryrun and train: the dataset files are there (check_data; a missing one
   is bad input: DataError, exit 2).
 """
@@ -111,25 +113,28 @@ def checkpoint_estimate(cfg: JobConfig, config: dict) -> tuple[int, str]:
         "LoRA weights + AdamW state + a real save of the tokenizer"
 
 
-def check_disk(cfg: JobConfig, config: dict) -> str:
+def check_disk(cfg: JobConfig, config: dict, dryrun: bool = False) -> str:
     """Room for save_total_limit + 1 checkpoints (the new one is written before the oldest is
-    rotated out), less those the run already holds. Raises PreflightError naming both figures."""
+    rotated out), less those the run already holds; a dry-run (`dryrun`) saves one per preset and
+    copies its adapter, to time both, and deletes them before the next preset: room for two.
+    Raises PreflightError naming both figures."""
     one, basis = checkpoint_estimate(cfg, config)
     keep = cfg.save_total_limit or 10
     have = len([p for p in cfg.out_dir.glob("checkpoint-*") if p.is_dir()]) if cfg.out_dir.is_dir() else 0
-    count = max(1, keep + 1 - have)
+    count = 2 if dryrun else max(1, keep + 1 - have)
     need = int(one * count * 1.1)
     out = cfg.out_dir
     probe = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     free = shutil.disk_usage(probe).free
+    why = ("the dry-run's timed save and its timed copy of the final adapter" if dryrun else
+           f"save_total_limit {keep} + 1 written before rotation{f', less {have} already here' if have else ''}")
     if free < need:
         raise PreflightError(f"{probe} has {free:,} bytes free; {plural(count, 'more checkpoint')} of {one:,} bytes ({basis}; "
-                             f"save_total_limit={keep} + 1 written before rotation) need {need:,} with 10% margin. "
-                             "Free space, lower save_total_limit, or set output_dir elsewhere")
+                             f"{why}) need {need:,} with 10% margin. Free space"
+                             + ("" if dryrun else ", lower save_total_limit,") + " or set output_dir elsewhere")
     # room for the most checkpoints the folder holds at once, not the run's count of saves (the ledger's)
-    return (f"disk: {free / 1e9:.1f} GB free at {probe}; room for {plural(count, 'checkpoint')} at once (save_total_limit "
-            f"{keep} + 1 written before rotation{f', less {have} already here' if have else ''}) of {one / 1e6:.1f} MB "
-            f"({basis}) needs ~{need / 1e9:.2g} GB")
+    return (f"disk: {free / 1e9:.1f} GB free at {probe}; room for {plural(count, 'checkpoint')} at once ({why}) of "
+            f"{one / 1e6:.1f} MB ({basis}) needs ~{need / 1e9:.2g} GB")
 
 
 def check_data(cfg: JobConfig) -> None:
@@ -148,8 +153,9 @@ def check_data(cfg: JobConfig) -> None:
             raise DataError(f"eval_dataset: {e}") from None
 
 
-def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
-    """Run every check; return one line per check. Raises PreflightError on the first failure."""
+def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False) -> list[str]:
+    """Run every check; return one line per check (`dryrun`: the disk check counts its one timed
+    save). Raises PreflightError on the first failure."""
     config = read_model_config(cfg.model_name_or_path)  # first: a missing model is said before torch loads
     if cuda is None:
         import torch
@@ -160,8 +166,35 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None) -> list[str]:
     lines = [f"model: {cfg.model_name_or_path} ({arch}){' SYNTHETIC (random weights)' if is_synthetic(config) else ''}"]
     lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
               check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_sharding(cfg),
-              check_disk(cfg, config)]
+              check_lora_target(cfg), check_disk(cfg, config, dryrun)]
     return lines
+
+
+# The layer types peft's LoRA wraps (Conv1D: GPT-2's linear layers).
+LORA_LAYER_TYPES = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D")
+
+
+def check_lora_target(cfg: JobConfig) -> str:
+    """Every name in lora_target (comma-separated) names a layer LoRA can wrap, as peft matches a
+    name: a module whose full name is it or ends in "." + it. Checked on the model built from its
+    config.json on the meta device (no weights, about a second for a 7B). Raises PreflightError
+    listing the model's layer names."""
+    if cfg.lora_target == "all":
+        return "lora_target: all linear layers"
+    wanted = [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    names = [n for n, m in model.named_modules() if n and type(m).__name__ in LORA_LAYER_TYPES]
+    missing = [t for t in wanted if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        short = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise PreflightError(f"lora_target: {', '.join(missing)}: no such layer in {cfg.model_name_or_path} "
+                             f"({type(model).__name__}); its layers LoRA can wrap: {', '.join(short)}, or lora_target: all")
+    return f"lora_target: {', '.join(wanted)} ({plural(len([n for n in names if any(n == t or n.endswith('.' + t) for t in wanted)]), 'layer')})"
 
 
 def check_sharding(cfg: JobConfig) -> str:
