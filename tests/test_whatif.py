@@ -5,6 +5,7 @@ input through the command line. No GPU, no torch: seconds."""
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +244,7 @@ def test_steps_against_and_the_edge_of_memory_are_checked():
     # an error table against a ledger of other GPUs, or another count, would compare unlike things
     r = tuneledger(one, "--gpus", "8x4090-pcie", "--against", str(SCALING / "dryrun-2gpu.json"))
     assert r.returncode == 2 and "was measured on 2 x NVIDIA H200" in r.stderr and "8 x NVIDIA GeForce RTX 4090" in r.stderr
+    assert r.stdout == ""  # checked before anything is predicted
     r = tuneledger(one, "--gpus", "2xH200-sxm", "--against", str(SCALING / "dryrun-2gpu.json"))
     assert r.returncode == 0 and "(predicted - measured) / measured" in r.stdout
     # D on 8 x 4090 comes within the memory model's error of the 23 GiB usable: said, not a plain "fits"
@@ -304,6 +306,73 @@ def whatif_cli(capsys):
     return call
 
 
+def test_presets_the_gpu_count_cannot_run_are_left_out_and_said(whatif_cli):
+    """16 GPUs run A (1 x 16) and D (capped to 1 x 16), not B or C (micro-batch 2 x 16 > 16): the two
+    are predicted, the others listed with why, as the presets the dry-run did not measure are."""
+    r = whatif_cli(ONE, "--gpus", "16xH100-sxm")
+    assert r.returncode == 0, r.stderr
+    for k in "BC":
+        assert (f"whatif: preset {k} left out: it cannot run on 16 x NVIDIA H100 80GB HBM3: global batch 16 is not a "
+                f"multiple of micro-batch 2 x 16 GPUs") in r.stderr
+    table = r.stdout.split("(not measured):")[1]
+    assert [line.split()[0] for line in table.strip().splitlines()[1:]] == ["A", "D"]
+    hw, n = parse_gpus("16xH100-sxm")
+    _, preds, ctx = whatif.predict_all(whatif.load_ledger(SCALING / "dryrun-1gpu.json"), args(gpus="16xH100-sxm"), hw, n)
+    assert [p["preset"] for p in preds] == ["A", "D"] and sorted(ctx["left_out"]) == ["B", "C"]
+    # the asked preset cannot run: exit 2 with its reason and the ones that can, before any prediction
+    r = whatif_cli(ONE, "--gpus", "16xH100-sxm", "--preset", "b")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "preset B: it cannot run on 16 x NVIDIA H100 80GB HBM3: global batch 16 is not a multiple" in r.stderr
+    assert "these can: A, D" in r.stderr
+    # none can: exit 2, each preset named with its reason
+    r = whatif_cli(ONE, "--gpus", "3x4090-pcie")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "--gpus 3x4090-pcie: no preset of the ledger can run on 3 x NVIDIA GeForce RTX 4090" in r.stderr
+    for k, mb in (("A", 1), ("B", 2), ("C", 2)):
+        assert f"preset {k}: global batch 16 is not a multiple of micro-batch {mb} x 3 GPUs" in r.stderr
+
+
+def test_the_json_path_is_checked_before_predicting(tmp_path, monkeypatch, capsys, whatif_cli):
+    for spec, said in ((tmp_path / "nosuch" / "x.json", f"the folder {tmp_path / 'nosuch'} does not exist"),
+                       (tmp_path, "is a folder"),
+                       (tmp_path / "file.txt" / "x.json", f"the folder {tmp_path / 'file.txt'} is not a folder")):
+        (tmp_path / "file.txt").write_text("")
+        r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--json", str(spec))
+        assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+        assert f"tuneledger whatif: --json {spec}: {said}" in r.stderr
+    if hasattr(os, "geteuid") and os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--json", str(locked / "x.json"))
+        assert r.returncode == 2 and r.stdout == "" and "cannot write there (no write permission" in r.stderr
+    # the write itself failing (disk full, ...) is one line, not a traceback
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(whatif, "write_text_atomic", full)
+    out = tmp_path / "x.json"
+    assert cli_rc(["whatif", ONE, "--gpus", "8x4090-pcie", "--json", str(out)]) == 1
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert err_lines[-1] == (f"tuneledger whatif: --json {out}: cannot write the predictions (No space left on device); "
+                             "they are printed above only. Free space there (`df -h`)")
+    assert not out.exists()
+    # and the write, when it can, leaves the file whole
+    monkeypatch.undo()
+    assert cli_rc(["whatif", ONE, "--gpus", "8x4090-pcie", "--json", str(out)]) == 0
+    assert [p["preset"] for p in json.loads(out.read_text())["predictions"]] == ["A", "B", "C", "D"]
+
+
+def test_a_bad_against_ledger_fails_before_anything_is_predicted(tmp_path, whatif_cli):
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"backend": "gloo", "gpu": None, "presets": [{"preset": "D"}]}))
+    for other, said in ((garbage, f"{garbage}:1:1: not valid JSON"), (cpu, f"{cpu}: measured on a CPU"),
+                        (SCALING / "dryrun-2gpu.json", "was measured on 2 x NVIDIA H200, and this prediction is for 8 x")):
+        r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--against", str(other))
+        assert r.returncode == 2 and r.stdout == "" and said in r.stderr, r.stderr
+
+
 def test_source_gpu_shares_the_gpu_lookup_and_its_error(whatif_cli):
     r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--source-gpu", "nosuch")
     assert r.returncode == 2 and r.stdout == ""
@@ -313,6 +382,24 @@ def test_source_gpu_shares_the_gpu_lookup_and_its_error(whatif_cli):
     assert r.returncode == 2 and "Did you mean H200-sxm?" in r.stderr
     r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--source-gpu", "h200-SXM", "--preset", "A")
     assert r.returncode == 0, r.stderr
+
+
+def test_an_unknown_preset_lists_the_ledgers_and_only_f_gets_the_fsdp_remark(tmp_path, whatif_cli):
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--preset", "Z")
+    assert r.returncode == 2 and f"{ONE}: no preset Z in this ledger; it holds A, B, C, D" in r.stderr
+    assert "FSDP" not in r.stderr
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--preset", "F")
+    assert r.returncode == 2 and "no preset F in this ledger; it holds A, B, C, D" in r.stderr and "FSDP" in r.stderr
+    # a ledger that holds an FSDP F beside a DDP preset: F is left out and said; asked, it says why
+    led = hand_ledger()
+    led["presets"].append({**led["presets"][0], "preset": "F", "config": {**led["presets"][0]["config"], "fsdp": "full_shard"}})
+    path = tmp_path / "dryrun.json"
+    path.write_text(json.dumps(led))
+    r = whatif_cli(str(path), "--gpus", "1xH200-sxm")
+    assert r.returncode == 0 and "whatif: preset F left out: it ran FSDP, which whatif does not model" in r.stderr, r.stderr
+    r = whatif_cli(str(path), "--gpus", "1xH200-sxm", "--preset", "f")
+    assert r.returncode == 2 and f"{path}: preset F: it ran FSDP, which whatif does not model" in r.stderr
+    assert "it holds A, F (FSDP)" in r.stderr
 
 
 def test_counts_are_said_in_words(whatif_cli):

@@ -17,20 +17,29 @@ a dry-run log holding one), else the committed one named in costmodel.DEFAULT_PR
 saves and finish are carried over as measured (host and disk side). --against compares with a
 ledger measured on the target (the 1 -> 2 H200 check in docs/whatif.md).
 
+Presets that cannot be predicted are left out with a line saying why: not measured by the dry-run,
+FSDP (preset F), or a global batch that the target's GPU count does not divide (16 on 3 GPUs).
+Every input (the ledger, --gpus, --preset, --against's ledger, --json's folder) is checked before
+anything is printed.
+
 Exit codes: 0 predicted (presets that do not fit are said, with the one that would); 2 bad input
-(a ledger, a GPU name or a YAML that cannot be used, naming the file, line and field), or the asked
---preset (or every preset) does not fit the target's memory.
+(a ledger, a GPU name or a YAML that cannot be used, naming the file, line and field; a --json path
+whose folder is missing or not writable), no preset or not the asked --preset can be predicted on
+the target, or the asked --preset (or every preset predicted) does not fit the target's memory; 1
+the --json write failed after the path was checked (a full disk), in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from tuneledger import costmodel as cm
 from tuneledger.eta import STARTUP, n_saves
+from tuneledger.files import disk_full, write_text_atomic
 from tuneledger.hwtable import Hardware, WhatifError, for_ledger_gpu, known_line, parse_gpus, source_kind
 from tuneledger.ledger import fmt_h
 from tuneledger.words import plural
@@ -173,14 +182,20 @@ def borderline(p: dict) -> bool:
     return bool(p["fits"]) and p["memory"]["total"] > (1 - BORDERLINE) * p["usable_gib"] * 2**30
 
 
-def against(preds: list[dict], path: Path, hw: Hardware | None = None, n: int | None = None) -> list[str]:
-    """Predicted beside measured for each preset both have: (predicted - measured) / measured.
-    Raises WhatifError when `path` was measured on other GPUs or another count than predicted for."""
+def load_against(path: Path, hw: Hardware, n: int) -> dict:
+    """--against's ledger, read and checked before anything is predicted. Raises WhatifError when it
+    is not a GPU dry-run's ledger (load_ledger), or was measured on other GPUs or another count."""
     led = load_ledger(path)
-    if hw is not None and (led.get("world_size") != n or hw.gpu.lower() not in str(led.get("gpu", "")).lower()):
+    if led.get("world_size") != n or hw.gpu.lower() not in str(led.get("gpu", "")).lower():
         raise WhatifError(f"--against {path} was measured on {led.get('world_size')} x {led.get('gpu')}, and this "
                           f"prediction is for {n} x {hw.gpu}: an error needs the same GPUs, as many; give --gpus "
                           f"{led.get('world_size')}x<that GPU's name> or a ledger measured on {n} x {hw.gpu}")
+    return led
+
+
+def against(preds: list[dict], led: dict, path: Path) -> list[str]:
+    """Predicted beside measured for each preset both have: (predicted - measured) / measured. `led`
+    is load_against's."""
     rows = {r["preset"]: r for r in led["presets"]}
     out = [f"against {path} ({led.get('world_size')} x {led.get('gpu')}): (predicted - measured) / measured",
            "| preset | s/step pred | meas | error | tokens/s pred | meas | error | GiB/GPU pred | meas | error |",
@@ -198,50 +213,106 @@ def against(preds: list[dict], path: Path, hw: Hardware | None = None, n: int | 
     return out
 
 
+FSDP_WHY = "it ran FSDP, which whatif does not model (DDP presets A-D only)"
+
+
+def holds(led: dict) -> str:
+    """The measured presets of a ledger, for an error: 'A, B, C, D' ('F (FSDP)' marked)."""
+    return ", ".join(r["preset"] + (" (FSDP)" if r["config"].get("fsdp") else "") for r in led["presets"])
+
+
 def predict_all(led: dict, args: argparse.Namespace, hw: Hardware, n: int) -> tuple[list[dict], list[dict], dict]:
-    """Every asked row: (sources, predictions, the context printed at the top)."""
+    """Every row that can run on n GPUs of `hw`: (sources, predictions, the context printed at the
+    top). The context's "left_out" maps each measured preset that cannot to why (FSDP, or a global
+    batch that n GPUs do not divide). Raises WhatifError when none can."""
     src_hw = source_gpu(led, args.source_gpu)
     r = profile_rates(args, led, src_hw)
     # FSDP (preset F) shards the base and all-gathers it every layer: not this model's DDP arithmetic.
     rows = [row for row in led["presets"] if not row["config"].get("fsdp")]
     if not rows:
         raise WhatifError("every preset of the ledger ran FSDP (preset F): whatif models DDP presets (A-D) only")
+    left_out = {row["preset"]: FSDP_WHY for row in led["presets"] if row["config"].get("fsdp")}
     sources = [cm.analyze(led, row, r, src_hw.memory_gbs) for row in rows]
     cost = cm.ledger_launch_cost(sources)
     cfg = led["presets"][0]["config"]
     quant = cfg.get("quantization_type", "nf4") if cfg.get("quantization_bit") else None
     # absmax_once keeps the absmax in fp32 after load: the bytes of single quantization (nf4.py).
     double_quant = bool(cfg.get("double_quantization", True)) and not cfg.get("absmax_once", False)
-    preds = []
+    preds, cannot = [], {}
     for s in sources:
         try:
             preds.append(cm.predict(s, src_hw, hw, n, cost, quant, double_quant))
-        except ValueError as e:
-            raise WhatifError(f"--gpus {args.gpus}: preset {s['preset']}: {e}") from None
-    return sources, preds, {"src_hw": src_hw, "rates": r, "launch_cost_s": cost}
+        except ValueError as e:  # the global batch does not divide into micro-batch x n GPUs
+            cannot[s["preset"]] = str(e)
+            left_out[s["preset"]] = f"it cannot run on {n} x {hw.gpu}: {e}"
+    if not preds:
+        raise WhatifError(f"--gpus {args.gpus}: no preset of the ledger can run on {n} x {hw.gpu}: "
+                          + "; ".join(f"preset {k}: {cannot.get(k, v)}" for k, v in left_out.items()))
+    return sources, preds, {"src_hw": src_hw, "rates": r, "launch_cost_s": cost, "left_out": left_out}
+
+
+def json_out(spec: str) -> Path:
+    """--json's file, checked before anything is predicted: not a folder, in a folder that exists and
+    may be written. Raises WhatifError naming the path."""
+    out = Path(spec)
+    folder = out.parent
+    if out.is_dir():
+        raise WhatifError(f"--json {out}: is a folder; give a file's path (e.g. {out / 'whatif.json'})")
+    if not folder.is_dir():
+        raise WhatifError(f"--json {out}: the folder {folder} " + ("is not a folder" if folder.exists() else
+                                                                   "does not exist; create it or give another path"))
+    if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise WhatifError(f"--json {out}: cannot write there (no write permission on {out if out.exists() else folder})")
+    return out
+
+
+def check_preset(led: dict, path: Path, asked: str) -> None:
+    """--preset names a preset the ledger measured and whatif models. Raises WhatifError saying why
+    not, with the presets the ledger holds."""
+    rows = {r["preset"]: r for r in led["presets"]}
+    if asked in led["not_measured"]:
+        raise WhatifError(f"{path}: preset {asked} was not measured ({led['not_measured'][asked]}); it holds {holds(led)}")
+    if asked not in rows:
+        raise WhatifError(f"{path}: no preset {asked} in this ledger; it holds {holds(led)}"
+                          + (" (whatif does not model FSDP's F in any case)" if asked == "F" else ""))
+    if rows[asked]["config"].get("fsdp"):
+        raise WhatifError(f"{path}: preset {asked}: {FSDP_WHY}; it holds {holds(led)}")
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    """Every input checked, the --against ledger and --json's path among them, then the predictions:
+    bad input fails before anything is printed. Raises WhatifError."""
+    for flag, v in (("--steps", args.steps), ("--save-steps", args.save_steps)):
+        if v is not None and v <= 0:
+            raise WhatifError(f"{flag} {v}: must be a positive number of optimizer steps")
+    out = json_out(args.json) if args.json else None
+    hw, n = parse_gpus(args.gpus)
+    path = Path(args.ledger)
+    led = load_ledger(path)
+    asked = args.preset.upper() if args.preset else None
+    if asked:
+        check_preset(led, path, asked)
+    other = load_against(Path(args.against), hw, n) if args.against else None
+    sources, preds, ctx = predict_all(led, args, hw, n)
+    if asked in ctx["left_out"]:
+        raise WhatifError(f"--gpus {args.gpus}: preset {asked}: {ctx['left_out'][asked]}; these can: "
+                          f"{', '.join(p['preset'] for p in preds)}")
+    return {**ctx, "hw": hw, "n": n, "path": path, "led": led, "sources": sources, "preds": preds, "out": out,
+            "against": other}
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        for flag, v in (("--steps", args.steps), ("--save-steps", args.save_steps)):
-            if v is not None and v <= 0:
-                raise WhatifError(f"{flag} {v}: must be a positive number of optimizer steps")
-        hw, n = parse_gpus(args.gpus)
-        path = Path(args.ledger)
-        led = load_ledger(path)
-        if args.preset and args.preset.upper() in led["not_measured"]:
-            raise WhatifError(f"{path}: preset {args.preset.upper()} was not measured "
-                              f"({led['not_measured'][args.preset.upper()]}); it holds {', '.join(r['preset'] for r in led['presets'])}")
-        for name, why in led["not_measured"].items():
-            print(f"whatif: preset {name} left out: the dry-run did not measure it ({why})", file=sys.stderr)
-        if args.preset and args.preset.upper() not in {r["preset"] for r in led["presets"] if not r["config"].get("fsdp")}:
-            raise WhatifError(f"{path}: no measured DDP preset {args.preset} (whatif does not model FSDP's F); it holds "
-                              f"{', '.join(r['preset'] for r in led['presets'])}")
-        sources, preds, ctx = predict_all(led, args, hw, n)
+        c = prepare(args)
     except WhatifError as e:
         print(f"tuneledger whatif: {e}", file=sys.stderr)
         return 2
-    r, src_hw = ctx["rates"], ctx["src_hw"]
+    hw, n, path, led, sources, preds = c["hw"], c["n"], c["path"], c["led"], c["sources"], c["preds"]
+    for name, why in led["not_measured"].items():
+        print(f"whatif: preset {name} left out: the dry-run did not measure it ({why})", file=sys.stderr)
+    for name, why in c["left_out"].items():
+        print(f"whatif: preset {name} left out: {why}", file=sys.stderr)
+    r, src_hw = c["rates"], c["src_hw"]
     share = sources[0]["peak_measured"] / src_hw.bf16_tflops
     print(f"whatif: {path}, measured on {led.get('world_size')} x {led['gpu']} ({led.get('date', '?')[:10]}"
           f"{', SYNTHETIC model' if led.get('synthetic') else ''})")
@@ -250,8 +321,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"kernel split: {r['where']}; matmul at {r['e']:.1%} of the measured bf16 peak, {share:.1%} of the datasheet's "
           f"on the measured GPU, so {r['e'] * share:.1%} of the datasheet's on the target")
     hb = [s["preset"] for s in sources if s["host_bound"]]
-    if ctx["launch_cost_s"]:
-        print(f"host: {ctx['launch_cost_s'] * 1e6:.1f} µs per kernel launch (median of this ledger's host-bound presets "
+    if c["launch_cost_s"]:
+        print(f"host: {c['launch_cost_s'] * 1e6:.1f} µs per kernel launch (median of this ledger's host-bound presets "
               f"{', '.join(hb)}: their micro-batch time / launches), / host_speed {hw.host_speed:g} on the target")
     wanted = [p for p in preds if not args.preset or p["preset"] == args.preset.upper()]
     rows = {s["preset"]: s for s in sources}
@@ -266,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         if not p["fits"]:
             alt = (f"preset {fitting[0]['preset']} would fit ({_g(fitting[0]['memory']['total'])} GiB, "
                    f"{fitting[0]['s_per_step']:.3f} s/step{', borderline' if borderline(fitting[0]) else ''})"
-                   if fitting else "no measured preset fits")
+                   if fitting else "no predicted preset fits")
             roomy = [f for f in fitting if not borderline(f)]
             if fitting and borderline(fitting[0]) and roomy:  # the fastest with memory to spare, too
                 alt += f"; with room: preset {roomy[0]['preset']} ({_g(roomy[0]['memory']['total'])} GiB, {roomy[0]['s_per_step']:.3f} s/step)"
@@ -280,15 +351,16 @@ def run(args: argparse.Namespace) -> int:
         print(f" {p['preset']:>6}  {n:>4}  {p['micro_batch']:>2} x {p['ga']:<3}  {p['s_per_step']:6.3f}  {p['tokens_per_s']:8,.0f}  "
               f"{p['bound']:>5}  {_g(p['memory']['total']):>7}  {('edge' if borderline(p) else 'yes') if p['fits'] else 'NO':>4}  "
               f"{fmt_h(p['eta']['total_s'])}")
-    if args.against:
-        try:
-            print("\n" + "\n".join(against(wanted, Path(args.against), hw, n)))
-        except WhatifError as e:
-            print(f"tuneledger whatif: {e}", file=sys.stderr)
-            return 2
-    if args.json:
-        Path(args.json).write_text(json.dumps({"ledger": str(path), "gpus": args.gpus, "hardware": hw.name, "count": n,
-                                               "kernel_split": r, "predictions": wanted}, indent=1, default=str))
+    if c["against"] is not None:
+        print("\n" + "\n".join(against(wanted, c["against"], Path(args.against))))
+    if c["out"] is not None:
+        try:  # whole or not at all: a full disk leaves no half file (files.write_text_atomic)
+            write_text_atomic(c["out"], json.dumps({"ledger": str(path), "gpus": args.gpus, "hardware": hw.name, "count": n,
+                                                    "kernel_split": r, "predictions": wanted}, indent=1, default=str))
+        except OSError as e:
+            print(f"tuneledger whatif: --json {c['out']}: cannot write the predictions ({e.strerror or e}); they are "
+                  "printed above only" + (". Free space there (`df -h`)" if disk_full(e) else ""), file=sys.stderr)
+            return 1
     if (args.preset and not wanted[0]["fits"]) or not fitting:
         return 2
     return 0
