@@ -181,3 +181,19 @@ def test_ctrl_c_keeps_the_presets_measured_and_exits_130(tmp_path, tiny_model):
     assert "s_per_step" in rows["A"] and set(rows) == {"A", "B", "C", "D"}, out[-3000:]
     assert all(rows[p].get("skipped") == "interrupted" for p in "BCD" if "s_per_step" not in rows[p])
     assert "interrupted: writing the ledger of the presets measured so far" in out
+
+
+def test_a_dry_run_whose_every_preset_fails_leaves_the_earlier_ledger(tmp_path, tiny_model):
+    """Every preset failing (here each rank crashes after its first step) measures nothing: the
+    earlier whole dryrun.json stays as it was, and this run's failed rows go to dryrun.failed.json."""
+    args = [*small(tmp_path, tiny_model, "dry", "dryrun_steps=3", "dryrun_warmup_steps=1"), "--preset", "A",
+            "--nproc", "1", "--cpu"]
+    first = tl("dryrun", *args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    before = (tmp_path / "dry" / "dryrun.json").read_bytes()
+    crashed = tl("dryrun", *args, env={"TUNELEDGER_CRASH_AFTER_STEP": "1"})
+    assert crashed.returncode == 1, crashed.stdout[-3000:] + crashed.stderr[-3000:]
+    assert (tmp_path / "dry" / "dryrun.json").read_bytes() == before
+    failed = json.loads((tmp_path / "dry" / "dryrun.failed.json").read_text())["presets"]
+    assert [r["preset"] for r in failed] == ["A"] and "s_per_step" not in failed[0], failed
+    assert "is left as it was, this run's failures are in" in crashed.stdout

@@ -30,6 +30,7 @@ from tuneledger.checkpoints import time_publish
 from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, preset_overrides, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
+from tuneledger.files import write_text_atomic
 from tuneledger.machine_facts import topology, versions
 from tuneledger.launch import BeforeRanks, StoppedBeforeStart, Terminated, processes, run_workers, sigterm_raises, used_gpus
 from tuneledger.ledger import CAP_24GB_GIB
@@ -344,6 +345,14 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
             print(f"\n{stopped}: no preset finished; {out_root / 'dryrun.json'} is left as it was", flush=True)
             return rc
         print(f"\n{stopped}: writing the ledger of the presets measured so far", flush=True)
+    elif not done and (out_root / "dryrun.json").exists() and nodes.first:
+        # Every preset failed (each said why above): the earlier, whole ledger stays; this run's
+        # rows go beside it, so a fix can be checked against them.
+        failed = out_root / "dryrun.failed.json"
+        write_text_atomic(failed, json.dumps({"presets": rows}, indent=1, ensure_ascii=False, default=str))
+        print(f"\nno preset was measured; {out_root / 'dryrun.json'} is left as it was, this run's failures are in {failed}",
+              flush=True)
+        return rc
     if not nodes.first:
         print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
         return rc
