@@ -235,7 +235,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     G, pr, r = src["G"], src["params"], src["rates"]
     mb = target_micro_batch(src["preset"], src["micro_batch"], G, n)
     if G % (mb * n):
-        raise ValueError(f"global batch {G} is not a multiple of micro-batch {mb} x {n} GPUs")
+        raise ValueError(f"global batch {G} is not a multiple of micro-batch {mb} x {n} GPU{'s' if n != 1 else ''}")
     ga = G // (mb * n)
     share = src["peak_measured"] / src_hw.bf16_tflops
     t = src["tokens_real"] / src["micro_batch"] * mb
