@@ -145,3 +145,22 @@ def test_an_unknown_preset_is_named_with_the_choices_a_user_types(capsys):
         err = capsys.readouterr().err
         assert f"unknown preset 'E'; {tail}" in err and "'ALL'" not in err
         assert p.parse_args(["--preset", "d"]).preset == "D"
+
+
+def test_a_key_given_twice_in_a_yaml_is_refused_with_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys silently: `cutoff_len` written twice trained with
+    whichever came last. Refused, naming the file and both lines, at the top level and nested; a
+    merge key (`<<: *base`) overridden on purpose still loads."""
+    from tuneledger.config_load import read_yaml_mapping
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("model_name_or_path: m\ndataset: [x.json]\ncutoff_len: 512\nlora_rank: 8\ncutoff_len: 1024\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: line 5: key 'cutoff_len' is given twice \(first at line 3"):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("fsdp_config:\n  version: 2\n  version: 1\n")
+    with pytest.raises(ConfigError, match="line 3: key 'version' is given twice"):
+        read_yaml_mapping(nested, "config")
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: &b\n  x: 1\n  y: 2\nother:\n  <<: *b\n  x: 3\n")
+    assert read_yaml_mapping(merged, "config")["other"] == {"x": 3, "y": 2}
