@@ -322,6 +322,19 @@ def test_preset_f_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def _procs_under(path, also: str = "") -> list[str]:
+    """The pids whose command line names `path` (and holds `also`)."""
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # a process that ended while we looked
+            continue
+        if str(path) in text and also in text:
+            out.append(cmdline.parent.name)
+    return out
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_sigterm_stops_the_running_candidate_and_writes_what_was_measured(tmp_path, tiny_model):
@@ -352,13 +365,7 @@ def test_sigterm_stops_the_running_candidate_and_writes_what_was_measured(tmp_pa
     led = json.loads((tmp_path / "run" / "tune" / "tune.json").read_text())
     assert any(c["status"] == "not measured" and c["reason"] == "interrupted" for c in led["candidates"])
     time.sleep(2)
-    left = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if str(tmp_path / "run" / "tune") in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                left.append(cmdline.parent.name)
-        except OSError:  # a process that ended while we looked
-            pass
+    left = _procs_under(tmp_path / "run" / "tune")
     assert not left, f"a candidate's processes were left running: pids {left}"
 
 
@@ -442,3 +449,83 @@ def test_a_negative_budget_after_a_space_gets_tunes_own_message(capsys):
     assert cli.main(["tune", "--budget", "-5m", "--cpu"]) == cli.BAD_INPUT
     err = capsys.readouterr().err
     assert "--budget" in err and "expected one argument" not in err
+
+
+def test_a_failed_candidates_error_is_its_end_cut_at_a_word(tmp_path, monkeypatch):
+    import argparse
+
+    from tuneledger import tune
+    from tuneledger.tune_report import error_tail
+
+    cmd = "tuneledger dryrun configs/tiny.yaml " + " ".join(f"per_device_train_batch_size={i}" for i in range(40))
+    assert error_tail(cmd + "\n") == error_tail(cmd + "\n\n  \n") == "it printed nothing"  # never the command line
+    long = "tuneledger dryrun: config error: " + " ".join(f"word{i}" for i in range(80)) + " the end"
+    tail = error_tail(f"{cmd}\n{long}\n")
+    assert tail.startswith("...word") and tail.endswith("word79 the end") and len(tail) <= 243
+    assert f" {tail[3:]}" in long  # whole words from a word boundary, not the middle of one
+    assert error_tail(f"{cmd}\nshort error\n") == "short error"
+    log = tmp_path / "cand.log"
+    log.write_text(cmd + "\n")  # a dry-run that printed nothing (killed at its start)
+    monkeypatch.setattr(tune, "run_candidate", lambda c, k, *a: (None, False, str(log)))
+    space = ts.build_space(1, 1, 128, [1], [True], [False])
+    tune.search(space, [], argparse.Namespace(memory_gib=None), True, 1, tmp_path, None, None)
+    assert space[0].reason == f"the dry-run failed (it printed nothing); see {log}"
+
+
+def test_the_candidates_dry_run_dies_with_tune(tmp_path, monkeypatch):
+    """kill -9 of tune must not leave its candidate measuring as an orphan: the dry-run starts with
+    PR_SET_PDEATHSIG (launch._die_with_parent), as the dry-run starts torchrun."""
+    import argparse
+    import subprocess
+
+    from tuneledger import launch, tune
+
+    seen = {}
+
+    class Proc:
+        def __init__(self, cmd, **kwargs):
+            seen.update(kwargs)
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(subprocess, "Popen", Proc)
+    space = ts.build_space(1, 1, 128, [1], [True], [False])
+    tune.run_candidate(space[0], 1, ["x.yaml"], argparse.Namespace(), True, 1, tmp_path, None)
+    assert seen["preexec_fn"] is launch._die_with_parent
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # one candidate's ranks started, then killed: about a minute on 2 cores
+def test_kill_9_of_tune_takes_the_candidate_and_its_ranks_with_it(tmp_path, tiny_model):
+    import contextlib
+    import signal
+    import subprocess
+    import time
+
+    cmd = [sys.executable, "-m", "tuneledger", "tune", *job(tmp_path, tiny_model), "--micro-batches", "1", "--gc", "on",
+           "--packing", "off", "--nproc", "1", "--cpu", "dryrun_steps=200", "dryrun_warmup_steps=1"]
+    out = tmp_path / "tune.out"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(out, "w"), stderr=subprocess.STDOUT, text=True)
+    cand = tmp_path / "run" / "tune" / "cand-1"
+    try:
+        deadline = time.monotonic() + 600
+        # until the candidate's rank runs (the worker's job file is under cand-1)
+        while not _procs_under(cand, "-u -m tuneledger.worker"):  # the rank (torchrun names the worker too)
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.2)
+        assert len(_procs_under(cand)) >= 3  # the dry-run, torchrun, the rank
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 180  # the dry-run stops its ranks (SIGTERM) and writes its ledger
+    while _procs_under(tmp_path / "run" / "tune") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _procs_under(tmp_path / "run" / "tune")
+    for pid in left:  # an orphan must not outlive the test either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGTERM)
+    assert not left, f"kill -9 of tune left its candidate's processes running: pids {left}"
+    assert "terminated (SIGTERM)" in (tmp_path / "run" / "tune" / "cand-1.log").read_text()

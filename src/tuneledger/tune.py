@@ -6,7 +6,7 @@ a subprocess `tuneledger dryrun ... --preset X output_dir=<output_dir>/tune/cand
 is read back: the same data, collator, data order and lengths as the dry-run and train. Before
 each candidate the space is pruned against the per-GPU memory budget (tune_space.prune) and the
 time budget is checked. Writes <output_dir>/tune/tune.json, tune.md and tune.png (tune_report.py
-words them).
+words them). A candidate's dry-run dies with tune (PR_SET_PDEATHSIG), kill -9 included.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from tuneledger import ledger
 from tuneledger import tune_space as ts
 from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.config_load import from_cli, parse_overrides
-from tuneledger.launch import processes
+from tuneledger.launch import _die_with_parent, processes
 from tuneledger.runlock import RunLock, RunLocked
-from tuneledger.tune_report import fits_word, fmt_s, markdown, plot, why
+from tuneledger.tune_report import error_tail, fits_word, fmt_s, markdown, plot, why
 
 
 def card_memory_gib(nproc: int) -> float | None:
@@ -72,7 +72,9 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+        # The kernel sends the dry-run SIGTERM when tune dies, however (kill -9 included): it stops its
+        # torchrun and ranks as on any SIGTERM, rather than measuring on as an orphan into this cand-k.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
         try:
             proc.wait()
         except KeyboardInterrupt:  # tune was stopped: stop the candidate's dry-run (and its ranks) too
@@ -132,8 +134,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         c.result = {"dir": str(tune_dir / f"cand-{k}"), "log": log, "wall_s": walls[-1]}
         if row is None:
             c.status = "out of memory" if oom else "failed"
-            last = next((ln for ln in reversed(Path(log).read_text().splitlines()) if ln.strip()), "")[-300:]
-            c.reason = (f"the dry-run failed ({last}); see {log}" if not oom else
+            c.reason = (f"the dry-run failed ({error_tail(Path(log).read_text(errors='replace'))}); see {log}" if not oom else
                         f"out of memory under the {cap:g} GiB cap" if cap else "out of memory on the card")
             c.result["fits"] = False if oom else None
             print(f"tune [{k}/{n}] {c.short}: {c.reason}", flush=True)

@@ -1,5 +1,5 @@
-"""What `tuneledger tune` says: its progress words and the ledger's tune.md and tune.png. No
-measuring here (tune.py measures; tune_space.py holds the space's rules).
+"""What `tuneledger tune` says: its progress words, a failed candidate's error, and the ledger's
+tune.md and tune.png. No measuring here (tune.py measures; tune_space.py holds the space's rules).
 """
 
 from __future__ import annotations
@@ -19,6 +19,21 @@ def fmt_s(seconds: float) -> str:
 
 def fits_word(f: bool | None) -> str:
     return {True: "yes", False: "no"}.get(f, "n/a (CPU)")
+
+
+def error_tail(log_text: str, limit: int = 240) -> str:
+    """A failed candidate's error: the last line its dry-run printed (the log's first line is the
+    command tune wrote), at most `limit` characters: its end, cut at a word boundary after '...'.
+    'it printed nothing' when the dry-run wrote no line."""
+    lines = [ln.strip() for ln in log_text.splitlines()[1:] if ln.strip()]
+    if not lines:
+        return "it printed nothing"
+    last = lines[-1]
+    if len(last) <= limit:
+        return last
+    tail = last[-limit:]
+    cut = tail.find(" ")
+    return "..." + (tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail)
 
 
 def why(ranking: dict, cands: list[ts.Candidate]) -> list[str]:
