@@ -155,7 +155,10 @@ def job(tmp_path, tiny_model):
 
 
 def test_levers_are_key_value_speed_levers_and_make_variants_of_the_pick():
-    assert ts.parse_levers(None) == [] and ts.parse_levers(" ") == []
+    assert ts.parse_levers(None) == []
+    for empty in ("", " "):  # an empty --levers is bad input, as "," is, not "no levers"
+        with pytest.raises(ConfigError, match="--levers '.*': empty; give one or more key=value"):
+            ts.parse_levers(empty)
     assert ts.parse_levers("grouped_lora=true, torch_compile=false") == [{"grouped_lora": "true"}, {"torch_compile": "false"}]
     both = ts.parse_levers("absmax_once=true + drop_padding_mask=true,grouped_lora=true")
     assert both == [{"absmax_once": "true", "drop_padding_mask": "true"}, {"grouped_lora": "true"}]
@@ -241,7 +244,18 @@ def test_bad_input_exits_2_before_any_run(tmp_path):
     p = tl("tune", *base, "lora_dropout=0.05", "--levers", "grouped_lora=true")  # a lever the job cannot run
     assert p.returncode == 2 and "--levers grouped_lora=true: " in p.stderr, p.stderr
     assert "configs/tiny.yaml + overrides" in p.stderr and "grouped_lora: true needs lora_dropout 0" in p.stderr, p.stderr
+    p = tl("tune", *base, "--levers", "")
+    assert p.returncode == 2 and "--levers '': empty" in p.stderr, p.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "Infinity", "0", "-3"])
+def test_a_memory_budget_that_is_not_a_finite_number_above_0_is_refused(value, capsys):
+    from tuneledger import cli
+
+    assert cli.main(["tune", f"--memory-gib={value}", "--cpu"]) == cli.BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"--memory-gib {float(value):g}: must be a finite number above 0" in err, err
 
 
 def test_a_second_tune_in_the_same_run_folder_is_refused_before_any_run(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import signal
 import subprocess
@@ -196,8 +197,8 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
 
 def run(args: argparse.Namespace) -> int:
     budget_s = ts.parse_budget(args.budget)  # the options' own checks first: they need no config
-    if args.memory_gib is not None and args.memory_gib <= 0:
-        raise ConfigError(f"--memory-gib {args.memory_gib:g}: must be above 0 (GiB per GPU)")
+    if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
+        raise ConfigError(f"--memory-gib {args.memory_gib:g}: must be a finite number above 0 (GiB per GPU)")
     base = from_cli(args.items)
     try:  # one tune per run folder at a time: two would share cand-N and the ledger
         with RunLock(base.out_dir / "tune", "tune.lock",

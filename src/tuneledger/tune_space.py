@@ -100,11 +100,15 @@ def parse_budget(text: str | None) -> float | None:
 def parse_levers(text: str | None) -> list[dict[str, str]]:
     """--levers 'grouped_lora=true,torch_compile=false': the lever settings to try on the pick, one
     variant per comma, in order; '+' joins settings into one variant ('grouped_lora=true+absmax_once=true':
-    levers that pay together, as preset C's measured). [] for none. Raises ConfigError for an item
-    that is not key=value, a key not in LEVER_KEYS, or a key twice in one variant (the values are
-    checked by the config, before any run), or a variant asked for twice."""
-    if text is None or not str(text).strip():
+    levers that pay together, as preset C's measured). [] without --levers. Raises ConfigError for
+    an empty --levers (as for ','), an item that is not key=value, a key not in LEVER_KEYS, or a key
+    twice in one variant (the values are checked by the config, before any run), or a variant asked
+    for twice."""
+    if text is None:
         return []
+    if not str(text).strip():
+        raise ConfigError(f"--levers {text!r}: empty; give one or more key=value settings (e.g. grouped_lora=true), "
+                          "or leave --levers out for none")
     out = []
     for part in str(text).split(","):
         variant: dict[str, str] = {}
