@@ -543,3 +543,49 @@ def test_kill_9_of_tune_takes_the_candidate_and_its_ranks_with_it(tmp_path, tiny
             os.kill(int(pid), signal.SIGTERM)
     assert not left, f"kill -9 of tune left its candidate's processes running: pids {left}"
     assert "terminated (SIGTERM)" in (tmp_path / "run" / "tune" / "cand-1.log").read_text()
+
+
+def test_a_lever_left_on_auto_that_the_pick_ran_with_is_not_measured_again(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from tuneledger import tune
+
+    ran = []
+
+    def run_candidate(c, k, items, args, cpu, nproc, tune_dir, cap):
+        ran.append(c.short)
+        row = fake_row(c, 1024)
+        row["model"] = {"levers": {"fused_lora": "on (12 projections)", "liger": "off", "compile": "off (a CPU run)"}}
+        return row, False, "log"
+
+    monkeypatch.setattr(tune, "run_candidate", run_candidate)
+    args = argparse.Namespace(memory_gib=None)
+    space = ts.build_space(4, 1, 128, [1], [True], [False])
+    info = tune.search(space, [], args, True, 1, tmp_path, None, None)
+    items = [str(ROOT / "configs" / "tiny.yaml"), "model_name_or_path=m", "lora_dropout=0"]
+    ran.clear()
+    v = tune.try_levers(space, [{"fused_lora": "true"}, {"torch_compile": "false"}, {"fused_lora": "false"}],
+                        info, items, args, True, 1, tmp_path, None, None)
+    assert v[0].status == "not measured" and v[0].reason.startswith("the job already runs with fused_lora on (unset: auto")
+    assert v[1].status == "not measured" and "torch_compile off" in v[1].reason
+    assert v[2].status == "measured" and ran == [v[2].short]  # off is a change from what ran
+    assert ts.already_runs("fused_lora", "true", True, None, None) is None  # no ledger line: measured, not guessed
+    assert ts.already_runs("grouped_lora", "false", False, False, None) == "the job already runs with grouped_lora=false"
+
+
+def test_the_lever_phase_says_what_is_left_of_the_whole_budget(tmp_path, monkeypatch, capsys):
+    import argparse
+    import re
+
+    from tuneledger import tune
+
+    monkeypatch.setattr(tune, "run_candidate", lambda c, k, *a: (fake_row(c, 1024), False, "log"))
+    args = argparse.Namespace(memory_gib=None)
+    space = ts.build_space(4, 1, 128, [1], [True], [False])
+    info = tune.search(space, [], args, True, 1, tmp_path, 240.0, None)
+    info["elapsed_s"] = 74.0  # 2 min 46 s of the 4 min left
+    items = [str(ROOT / "configs" / "tiny.yaml"), "model_name_or_path=m", "lora_dropout=0"]
+    capsys.readouterr()
+    tune.try_levers(space, [{"grouped_lora": "true"}], info, items, args, True, 1, tmp_path, 240.0, None)
+    out = capsys.readouterr().out
+    assert re.search(r"tune \[5/5\] .*: measuring; 2 min 4\d s of the 4 min 00 s budget left", out), out

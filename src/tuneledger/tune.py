@@ -97,10 +97,11 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
 
 
 def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
-           tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1) -> dict:
-    """Measure the candidates in order, pruning before each and stopping at the time budget; the
-    k-th is cand-k (`first`: the first one's k, for the lever variants measured after the space).
-    Returns the names of the pruned candidates (each one's reason is on it) and the elapsed seconds."""
+           tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1, spent: float = 0.0) -> dict:
+    """Measure the candidates in order, pruning before each and stopping at the time budget (the
+    whole search's `budget_s`, of which `spent` seconds went before this call); the k-th is cand-k
+    (`first`: the first one's k, for the lever variants measured after the space). Returns the
+    names of the pruned candidates (each one's reason is on it) and the elapsed seconds."""
     t0 = time.monotonic()
     walls: list[float] = []
     pruned: list[ts.Candidate] = []
@@ -117,7 +118,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         if c.status != "planned":
             continue
         elapsed = time.monotonic() - t0
-        left = None if budget_s is None else budget_s - elapsed
+        left = None if budget_s is None else budget_s - spent - elapsed
         typical = sum(walls) / len(walls) if walls else 0.0
         if left is not None and walls and (left <= 0 or left < typical):  # the first always runs
             for rest in cands[k - first:]:
@@ -179,7 +180,9 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
                 and "no double-quantized weight here: absmax_once would change nothing",
                 "drop_padding_mask": cfg.drop_padding_mask and cfg.packing
                 and "packed rows have no padding mask: drop_padding_mask would change nothing"}
-        idle.update({k: f"the job already runs with {k}={v.levers[k]}" for k in v.levers if getattr(cfg, k) == getattr(own, k)})
+        # What would run, not the raw values: an unset lever (auto) runs as the pick's own dry-run had it.
+        idle.update({k: said for k in v.levers
+                     if (said := ts.already_runs(k, v.levers[k], getattr(cfg, k), getattr(own, k), pick.result.get("levers")))})
         if all(idle.get(k) for k in v.levers):
             v.status, v.reason = "not measured", "; ".join(idle[k] for k in v.levers)
     left = None if budget_s is None else budget_s - info["elapsed_s"]
@@ -189,7 +192,7 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
                 v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
         return variants
     print(f"tune: the pick {pick.short} with each of {', '.join(ts.lever_text(v) for v in levers)}", flush=True)
-    more = search(variants, items, args, cpu, nproc, tune_dir, left, budget_gib, first=len(space) + 1)
+    more = search(variants, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, first=len(space) + 1, spent=info["elapsed_s"])
     info["elapsed_s"] += more["elapsed_s"]
     info["pruned"] += more["pruned"]
     return variants

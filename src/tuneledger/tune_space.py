@@ -140,6 +140,24 @@ def lever_variants(pick: Candidate, levers: list[dict[str, str]]) -> list[Candid
                       units=pick.units, levers=dict(v)) for v in levers]
 
 
+# The levers whose config default is None (auto: on where it applies), each with its line in the
+# dry-run ledger's model.levers ("on (...)" or "off (...)"): what the auto value came to.
+AUTO_LEVER_LINES = {"enable_liger_kernel": "liger", "fused_lora": "fused_lora", "torch_compile": "compile"}
+
+
+def already_runs(key: str, text: str, value: Any, own: Any, ran: dict | None) -> str | None:
+    """Why a lever setting (`key`=`text`, resolved `value`) would change nothing on the pick whose own
+    config value is `own` and whose dry-run's model.levers are `ran`; None when it would. The pick's
+    own value, or for a lever left unset (auto) the state its dry-run reports ('on ...'/'off ...')."""
+    if value == own:
+        return f"the job already runs with {key}={text}"
+    line = str((ran or {}).get(AUTO_LEVER_LINES.get(key, ""), ""))
+    state = True if line.startswith("on") else False if line.startswith("off") else None
+    if own is None and state is not None and value == state:
+        return f"the job already runs with {key} {line.split(' ', 1)[0]} (unset: auto; the pick's dry-run: {line})"
+    return None
+
+
 def per_rank_batch(global_batch: int, world: int) -> int:
     """Sequences per rank per optimizer step (global batch / world size); ConfigError if not whole."""
     if global_batch % world:
