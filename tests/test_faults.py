@@ -596,6 +596,24 @@ def test_the_final_adapter_is_published_at_the_run_root_as_llamafactory_leaves_i
     assert (run / "adapter_model.safetensors").read_bytes() == (c2 / "adapter_model.safetensors").read_bytes()
 
 
+def test_a_damaged_final_checkpoint_loads_its_verified_copy_at_the_root(tmp_path, capsys):
+    """The newest checkpoint damaged after training (a trial truncated its adapter): export and chat
+    took the older checkpoint while the root's copy of the final one was whole. The root copy is
+    used when it matches the damaged checkpoint's own manifest, with a warning; a root copy that
+    does not match falls back to the newest checkpoint that verifies, as before."""
+    from tuneledger.checkpoints import find_checkpoint
+
+    run = tmp_path / "run"
+    older = fake_checkpoint(run, 2)
+    final = fake_checkpoint(run, 4)
+    ck.publish_final(final, run, finished=True)
+    (final / "adapter_model.safetensors").write_bytes(b"")
+    assert find_checkpoint(run) == run
+    assert "checkpoint-4 does not verify" in capsys.readouterr().err
+    (run / "adapter_model.safetensors").write_bytes(b"x")  # the root copy damaged too
+    assert find_checkpoint(run) == older
+
+
 def test_stats_names_the_invalid_file_it_really_wrote(tmp_path, capsys):
     """Beside another run's data, the records go to invalid-<key>.jsonl: the line must say so."""
     from tuneledger.data import Invalid

@@ -267,6 +267,26 @@ def best_checkpoint(out_dir: Path) -> tuple[str, float] | None:
 _WARNED: set[str] = set()
 
 
+def _root_copy_verifies(run: Path, ckpt: Path) -> bool:
+    """True when every adapter file at the run's root (publish_final's copy of `ckpt`) matches the
+    size and content hash that `ckpt`'s own manifest gives it, and the adapter's files are there."""
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    names = [n for n in files if n.startswith("adapter_")]
+    if "adapter_config.json" not in names or not any(n.endswith(".safetensors") or n.endswith(".bin") for n in names):
+        return False
+    for name in names:
+        entry, f = files[name], run / name
+        size, digest = (entry, None) if isinstance(entry, int) else (entry.get("bytes"), entry.get("hash"))
+        if not f.is_file() or f.stat().st_size != size or not digest:
+            return False
+        if content_hash(f).split(":")[-1] != digest.split(":")[-1]:
+            return False
+    return True
+
+
 def find_checkpoint(path: Path) -> Path:
     """`path` itself if it holds an adapter, else its newest complete checkpoint-N; <run>/checkpoint-best
     is the run's checkpoint with the lowest eval loss (best_checkpoint). A run's root holds
@@ -274,8 +294,17 @@ def find_checkpoint(path: Path) -> Path:
     checkpoint is returned while it is there. Raises LoadError."""
     if (path / FINAL).is_file():
         named = path / str(json.loads((path / FINAL).read_text()).get("checkpoint", ""))
-        if named != path and (named / "adapter_config.json").is_file() and problem(named) is None:
-            return named
+        if named != path and (named / "adapter_config.json").is_file():
+            why = problem(named)
+            if why is None:
+                return named
+            if _root_copy_verifies(path, named):
+                # The checkpoint was damaged after training; its copy at the root is the same adapter.
+                if str(named) not in _WARNED:
+                    _WARNED.add(str(named))
+                    print(f"WARNING: {named.name} does not verify ({why}); its copy at {path}/ does (the same "
+                          f"hashes as its manifest): using that", file=sys.stderr, flush=True)
+                return path
     elif (path / "adapter_config.json").is_file():
         # A sealed checkpoint is used only if it verifies (files, hashes, health); an adapter
         # folder from elsewhere (no manifest) is used as it is.
