@@ -120,7 +120,11 @@ def test_the_pick_is_the_fastest_that_fits_and_overlapping_spreads_are_ties():
     assert r["best_preset"]["candidate"] == c.short
     text = ts.finding(r, space)
     assert text.startswith(f"{c.short} is fastest at 180 tokens/s, but it ties with {near.short}") and "steady steps" in text
-    assert "no point of the space beat it" in text
+    # Three points of the space (B, D, mb1 without GC) were never measured: the pick beat the measured ones only.
+    assert "it is preset C: no measured point beat it (3 candidates of the space not measured)" in text
+    for rest in (x for x in space if x.status == "planned"):
+        rest.status = "pruned"  # each certain not to fit: the whole space is settled
+    assert "it is preset C: no point of the space beat it" in ts.finding(r, space)
     assert a.short not in [t["with"] for t in r["ties"]]  # 100 is slower beyond the spread
     snip = ts.snippet(by[(2, False, False)], 16, 1, 24)
     assert "per_device_train_batch_size: 2" in snip and "gradient_checkpointing: false" in snip and "packing: false" in snip
@@ -377,7 +381,9 @@ def test_sigterm_stops_the_running_candidate_and_writes_what_was_measured(tmp_pa
     text = out.read_text()
     assert "SIGTERM: the running candidate was stopped; writing the tune ledger" in text, text[-3000:]
     led = json.loads((tmp_path / "run" / "tune" / "tune.json").read_text())
-    assert any(c["status"] == "not measured" and c["reason"] == "interrupted" for c in led["candidates"])
+    assert led["stopped"]["signal"] == "SIGTERM" and led["stopped"]["measured"] == 0 and led["stopped"]["not_measured"] == 4
+    assert [c["status"] for c in led["candidates"]] == ["terminated (SIGTERM)"] * 4  # docs/runs-and-output.md's word
+    assert "nothing was measured" in led["snippet"] and "fits" not in led["snippet"]
     time.sleep(2)
     left = _procs_under(tmp_path / "run" / "tune")
     assert not left, f"a candidate's processes were left running: pids {left}"
@@ -545,6 +551,64 @@ def test_kill_9_of_tune_takes_the_candidate_and_its_ranks_with_it(tmp_path, tiny
     assert "terminated (SIGTERM)" in (tmp_path / "run" / "tune" / "cand-1.log").read_text()
 
 
+def _stopped_tune(tmp_path, tiny_model, monkeypatch, stop_at: int, *extra: str) -> tuple[int, dict, str]:
+    """`tuneledger tune` in this process on the tiny job (4 candidates: presets A-D), each candidate
+    a fake measurement, with SIGTERM arriving while cand-`stop_at` runs. Returns (exit code,
+    tune.json, tune.md)."""
+    import signal
+
+    from tuneledger import cli, tune
+
+    def run_candidate(c, k, items, args, cpu, nproc, tune_dir, cap):
+        if k == stop_at:
+            signal.raise_signal(signal.SIGTERM)  # tune's handler: the search stops here
+        return fake_row(c, 1024), False, str(tune_dir / f"cand-{k}.log")
+
+    monkeypatch.setattr(tune, "run_candidate", run_candidate)
+    rc = cli.main(["tune", *job(tmp_path, tiny_model), "--micro-batches", "1", "--gc", "on", "--packing", "off",
+                   "--nproc", "1", "--cpu", *extra])
+    tune_dir = tmp_path / "run" / "tune"
+    return rc, json.loads((tune_dir / "tune.json").read_text()), (tune_dir / "tune.md").read_text()
+
+
+def test_a_search_stopped_by_sigterm_says_it_is_not_the_searchs_answer(tmp_path, tiny_model, monkeypatch, capsys):
+    rc, led, md = _stopped_tune(tmp_path, tiny_model, monkeypatch, 2, "--memory-gib", "24")
+    out = capsys.readouterr().out
+    assert rc == 143
+    assert led["stopped"] == {"signal": "SIGTERM", "measured": 1, "candidates": 4, "not_measured": 3}
+    said = "stopped by SIGTERM after 1 of 4 candidates: the fastest measured so far, not the search's answer"
+    assert led["finding"].startswith(said + "; mb1-gc-pad (=A) is fastest")
+    assert "no point of the space beat it" not in led["finding"] and "no measured point beat it" in led["finding"]
+    assert led["snippet"].startswith(f"# tuneledger tune, {said}\n") and "per_device_train_batch_size: 1" in led["snippet"]
+    assert f"**Finding:** {said}" in md and f"**{said}** (3 not measured)" in md and f"**Finding:** {said}" in out
+    # the running candidate and the ones not reached: the dry-run's word (docs/runs-and-output.md)
+    rest = [c for c in led["candidates"] if c["status"] != "measured"]
+    assert [c["status"] for c in rest] == ["terminated (SIGTERM)"] * 3 and len(led["not_measured"]) == 3
+    assert rest[0]["reason"].startswith("its dry-run was stopped by SIGTERM before it finished (")
+    assert rest[1]["reason"] == "not reached: the search was stopped by SIGTERM"
+    # --memory-gib on a CPU run: said to be unchecked, not shown as no budget
+    assert "tune: --memory-gib 24 is not checked on a CPU run" in out and "memory budget none" not in out
+    assert "memory budget not checked (CPU; --memory-gib 24 not applied)" in md
+
+
+def test_a_search_stopped_before_any_measurement_says_nothing_was_measured(tmp_path, tiny_model, monkeypatch, capsys):
+    rc, led, md = _stopped_tune(tmp_path, tiny_model, monkeypatch, 1)
+    assert rc == 143 and led["pick"] is None
+    assert led["stopped"] == {"signal": "SIGTERM", "measured": 0, "candidates": 4, "not_measured": 4}
+    assert led["snippet"] == "# tuneledger tune, stopped by SIGTERM after 0 of 4 candidates: nothing was measured\n"
+    assert "fits" not in led["snippet"] and "fits" not in led["finding"]
+    assert led["finding"] == "stopped by SIGTERM after 0 of 4 candidates: nothing was measured, so there is nothing to pick."
+    assert "memory not checked (CPU)" in capsys.readouterr().out
+    from tuneledger.tune_report import no_pick_snippet
+
+    space = ts.build_space(2, 1, 128, [1], [True], [False])
+    for c in space:
+        c.status = "failed"
+    assert no_pick_snippet(space, None).startswith("# nothing was measured: no pick")
+    measured(space[0], 100, 0.9, 1.1, peak=30.0, fits=False)
+    assert no_pick_snippet(space, None) == "# no measured candidate fits the memory budget: no pick\n"
+
+
 def test_a_lever_left_on_auto_that_the_pick_ran_with_is_not_measured_again(tmp_path, monkeypatch, capsys):
     import argparse
 
@@ -586,6 +650,7 @@ def test_the_lever_phase_says_what_is_left_of_the_whole_budget(tmp_path, monkeyp
     info["elapsed_s"] = 74.0  # 2 min 46 s of the 4 min left
     items = [str(ROOT / "configs" / "tiny.yaml"), "model_name_or_path=m", "lora_dropout=0"]
     capsys.readouterr()
-    tune.try_levers(space, [{"grouped_lora": "true"}], info, items, args, True, 1, tmp_path, 240.0, None)
+    v = tune.try_levers(space, [{"grouped_lora": "true"}], info, items, args, True, 1, tmp_path, 240.0, None, keep=space)
     out = capsys.readouterr().out
     assert re.search(r"tune \[5/5\] .*: measuring; 2 min 4\d s of the 4 min 00 s budget left", out), out
+    assert space[-1] is v[0] and len(space) == 5  # kept in the space as it is measured (a stop keeps it), still cand-5

@@ -6,7 +6,8 @@ a subprocess `tuneledger dryrun ... --preset X output_dir=<output_dir>/tune/cand
 is read back: the same data, collator, data order and lengths as the dry-run and train. Before
 each candidate the space is pruned against the per-GPU memory budget (tune_space.prune) and the
 time budget is checked. Writes <output_dir>/tune/tune.json, tune.md and tune.png (tune_report.py
-words them). A candidate's dry-run dies with tune (PR_SET_PDEATHSIG), kill -9 included.
+words them). A stop (SIGTERM, Ctrl-C, SIGHUP) writes what was measured, marked as cut short; a
+candidate's dry-run dies with tune (PR_SET_PDEATHSIG), kill -9 included.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.config_load import from_cli, parse_overrides
 from tuneledger.launch import _die_with_parent, processes
 from tuneledger.runlock import RunLock, RunLocked
-from tuneledger.tune_report import error_tail, fits_word, fmt_s, markdown, plot, why
+from tuneledger.tune_report import (cpu_budget_note, error_tail, fits_word, fmt_s, mark_stopped, markdown, memory_line,
+                                    no_pick_snippet, plot, stop_name, stop_text, stopped_finding, why)
 
 
 def card_memory_gib(nproc: int) -> float | None:
@@ -100,8 +102,9 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
            tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1, spent: float = 0.0) -> dict:
     """Measure the candidates in order, pruning before each and stopping at the time budget (the
     whole search's `budget_s`, of which `spent` seconds went before this call); the k-th is cand-k
-    (`first`: the first one's k, for the lever variants measured after the space). Returns the
-    names of the pruned candidates (each one's reason is on it) and the elapsed seconds."""
+    (`first`: the first one's k, for the lever variants measured after the space). The candidate
+    measuring has status "measuring" (a stop names it). Returns the names of the pruned candidates
+    (each one's reason is on it) and the elapsed seconds."""
     t0 = time.monotonic()
     walls: list[float] = []
     pruned: list[ts.Candidate] = []
@@ -131,6 +134,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
               + (f"{fmt_s(left)} of the {fmt_s(budget_s)} budget left" if left is not None else "no time budget")
               + (f", ~{fmt_s(typical)} per candidate" if walls else ""), flush=True)
         t1 = time.monotonic()
+        c.status, c.result = "measuring", {"dir": str(tune_dir / f"cand-{k}"), "log": str(tune_dir / f"cand-{k}.log")}
         row, oom, log = run_candidate(c, k, items, args, cpu, nproc, tune_dir, cap)
         walls.append(time.monotonic() - t1)
         c.result = {"dir": str(tune_dir / f"cand-{k}"), "log": log, "wall_s": walls[-1]}
@@ -152,10 +156,11 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
 
 def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: dict, items: list[str],
                args: argparse.Namespace, cpu: bool, nproc: int, tune_dir: Path, budget_s: float | None,
-               budget_gib: float | None) -> list[ts.Candidate]:
+               budget_gib: float | None, keep: list[ts.Candidate] | None = None) -> list[ts.Candidate]:
     """--levers: the space's pick measured again with each lever setting (ts.lever_variants), in
-    what is left of the time budget. Returns the variants (measured, or why not); adds their
-    elapsed time and pruned names to `info`."""
+    what is left of the time budget. Returns the variants (measured, or why not), appended to
+    `keep` too before any is measured (a stop mid-way keeps them); adds their elapsed time and
+    pruned names to `info`."""
     pick = next((c for c in space if c.short == ts.rank(space)["pick"]), None)
     if pick is None:
         print("tune: no pick to try the levers on", flush=True)
@@ -163,7 +168,9 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
     from tuneledger.compiled import compile_planned
     from tuneledger.speed import check_levers, check_preset_levers
 
-    variants, device = ts.lever_variants(pick, levers), "cpu" if cpu else "cuda"
+    variants, device, first = ts.lever_variants(pick, levers), "cpu" if cpu else "cuda", len(space) + 1  # cand-N after the space's
+    if keep is not None:  # (`keep` may be `space` itself: `first` is counted before)
+        keep += variants
     own = resolve(from_cli([*items, *pick.overrides()]), nproc)  # the pick as measured: its levers' values
     for v in variants:  # with the pick's own settings: a lever it cannot run, or one that would do nothing
         try:
@@ -192,7 +199,7 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
                 v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
         return variants
     print(f"tune: the pick {pick.short} with each of {', '.join(ts.lever_text(v) for v in levers)}", flush=True)
-    more = search(variants, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, first=len(space) + 1, spent=info["elapsed_s"])
+    more = search(variants, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, first=first, spent=info["elapsed_s"])
     info["elapsed_s"] += more["elapsed_s"]
     info["pruned"] += more["pruned"]
     return variants
@@ -243,42 +250,44 @@ def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> i
     budget_gib = None if cpu else (args.memory_gib or card_memory_gib(nproc))
     tune_dir = cfg.out_dir / "tune"
     tune_dir.mkdir(parents=True, exist_ok=True)
-    print(f"tune: {len(space)} candidates at global batch {gb} on {ledger.plural(world, 'rank')}{' (CPU: memory not checked)' if cpu else ''}; "
-          f"memory budget {f'{budget_gib:g} GiB per GPU' if budget_gib else 'none'}; time budget "
-          f"{fmt_s(budget_s) if budget_s else 'none'}; each a dry-run of {cfg.dryrun_steps} steps", flush=True)
+    print(f"tune: {len(space)} candidates at global batch {gb} on {ledger.plural(world, 'rank')}; {memory_line(cpu, budget_gib)}; "
+          f"time budget {fmt_s(budget_s) if budget_s else 'none'}; each a dry-run of {cfg.dryrun_steps} steps", flush=True)
+    if note := cpu_budget_note(cpu, args.memory_gib):
+        print(note, flush=True)
     stopped: list[int] = []
+    t0 = time.monotonic()
 
     def as_interrupt(signum, frame):  # SIGTERM and SIGHUP end the search as Ctrl-C does
         stopped.append(signum)
         raise KeyboardInterrupt
 
     saved = {sig: signal.signal(sig, as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    stop = None  # tune.json's `stopped`: a search cut short by a signal is not the search's answer
     try:
         info = search(space, items, args, cpu, nproc, tune_dir, budget_s, budget_gib)
         if levers:
-            space += try_levers(space, levers, info, items, args, cpu, nproc, tune_dir, budget_s, budget_gib)
+            try_levers(space, levers, info, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, keep=space)
     except KeyboardInterrupt:
-        name = signal.Signals(stopped[0]).name if stopped else "Ctrl-C"
         stopped.append(stopped[0] if stopped else signal.SIGINT)
-        print(f"\n{name}: the running candidate was stopped; writing the tune ledger of the candidates measured so far",
-              flush=True)
-        info = {"pruned": [], "elapsed_s": 0.0}
-        for c in space:
-            if c.status == "planned":
-                c.status, c.reason = "not measured", "interrupted"
+        print(f"\n{stop_name(stopped[0])}: the running candidate was stopped; writing the tune ledger of the candidates "
+              "measured so far", flush=True)
+        info = {"pruned": [c.short for c in space if c.status == "pruned"], "elapsed_s": time.monotonic() - t0}
+        stop = mark_stopped(space, stopped[0])
     ranking = ts.rank(space)
     pick = next((c for c in space if c.short == ranking["pick"]), None)
+    said = stop_text(stop)
     led: dict[str, Any] = {
         "run_name": cfg.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
         "model": cfg.model_name_or_path, "world_size": world, "backend": "gloo" if cpu else "nccl",
         "global_batch_size": gb, "cutoff_len": cfg.cutoff_len, "dryrun_steps": cfg.dryrun_steps,
         "warmup_steps": cfg.dryrun_warmup_steps, "memory_budget_gib": budget_gib, "budget_s": budget_s,
         "elapsed_s": info["elapsed_s"], "micro_batches": mbs, "candidates": [c.as_dict() for c in space],
-        "pruned": info["pruned"], "not_measured": [c.short for c in space if c.status == "not measured"],
-        "ranking": ranking, "pick": pick.as_dict() if pick else None,
-        "snippet": ts.snippet(pick, gb, world, budget_gib) if pick else "# no measured candidate fits\n",
-        "finding": ts.finding(ranking, space), "why": why(ranking, space),
-        "levers_tried": [ts.lever_text(v) for v in levers],
+        "pruned": info["pruned"], "not_measured": [c.short for c in space if c.status not in ("measured", "pruned", "failed",
+                                                                                         "out of memory")],
+        "stopped": stop, "ranking": ranking, "pick": pick.as_dict() if pick else None,
+        "snippet": ts.snippet(pick, gb, world, budget_gib, said) if pick else no_pick_snippet(space, stop),
+        "finding": stopped_finding(ts.finding(ranking, space), stop), "why": why(ranking, space),
+        "levers_tried": [ts.lever_text(v) for v in levers], "memory_gib_asked": args.memory_gib,
     }
     png = plot(space, tune_dir / "tune.png", f"tune {cfg.run_name}: {ledger.plural(world, 'rank')}, global batch {gb}", budget_gib)
     if png:

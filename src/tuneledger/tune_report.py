@@ -1,9 +1,11 @@
-"""What `tuneledger tune` says: its progress words, a failed candidate's error, and the ledger's
-tune.md and tune.png. No measuring here (tune.py measures; tune_space.py holds the space's rules).
+"""What `tuneledger tune` says: its progress words, a failed candidate's error, a search stopped
+by a signal, the budget lines, and the ledger's tune.md and tune.png. No measuring here (tune.py
+measures; tune_space.py holds the space's rules).
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from tuneledger import ledger
@@ -36,6 +38,73 @@ def error_tail(log_text: str, limit: int = 240) -> str:
     return "..." + (tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail)
 
 
+def stop_name(signum: int) -> str:
+    """'SIGTERM', 'SIGHUP'; a terminal's SIGINT as 'Ctrl-C (SIGINT)'."""
+    name = signal.Signals(signum).name
+    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else name
+
+
+def mark_stopped(cands: list[ts.Candidate], signum: int) -> dict:
+    """A search stopped by a signal: the candidate that was measuring and those not reached get the
+    dry-run's word for presets not reached (docs/runs-and-output.md): `terminated (SIGTERM)`
+    (SIGHUP alike), `interrupted` for Ctrl-C. Returns tune.json's `stopped`: the signal, the
+    candidates measured, of how many, and how many were not measured because of the stop."""
+    name = signal.Signals(signum).name
+    status = "interrupted" if signum == signal.SIGINT else f"terminated ({name})"
+    left = 0
+    for c in cands:
+        if c.status == "measuring":
+            c.status, c.reason = status, f"its dry-run was stopped by {name} before it finished ({c.result.get('log', 'its log')})"
+        elif c.status == "planned":
+            c.status, c.reason = status, f"not reached: the search was stopped by {name}"
+        else:
+            continue
+        left += 1
+    return {"signal": name, "measured": sum(c.status == "measured" for c in cands), "candidates": len(cands),
+            "not_measured": left}
+
+
+def stop_text(stopped: dict | None) -> str:
+    """'stopped by SIGTERM after 1 of 4 candidates: the fastest measured so far, not the search's answer';
+    '' for a search that ran to its end."""
+    if not stopped:
+        return ""
+    name = "Ctrl-C (SIGINT)" if stopped["signal"] == "SIGINT" else stopped["signal"]
+    return (f"stopped by {name} after {stopped['measured']} of {stopped['candidates']} candidates: "
+            + ("nothing was measured" if not stopped["measured"] else "the fastest measured so far, not the search's answer"))
+
+
+def stopped_finding(finding: str, stopped: dict | None) -> str:
+    """The finding, led by what a stop leaves it (stop_text) when the search was stopped."""
+    if not stopped:
+        return finding
+    return stop_text(stopped) + ("; " + finding if stopped["measured"] else ", so there is nothing to pick.")
+
+
+def no_pick_snippet(cands: list[ts.Candidate], stopped: dict | None) -> str:
+    """The snippet when there is no pick: nothing measured, or nothing measured that fits."""
+    lead = f"# tuneledger tune, {stop_text(stopped)}\n" if stopped else ""
+    if not any(c.status == "measured" for c in cands):
+        return lead + ("" if stopped else "# nothing was measured: no pick (tune.md's Not ranked says why)\n")
+    return lead + "# no measured candidate fits the memory budget: no pick\n"
+
+
+def memory_line(cpu: bool, budget_gib: float | None) -> str:
+    """The memory budget as the first progress line says it."""
+    if cpu:
+        return "memory not checked (CPU)"
+    return f"memory budget {budget_gib:g} GiB per GPU" if budget_gib else "memory budget none"
+
+
+def cpu_budget_note(cpu: bool, asked_gib: float | None) -> str | None:
+    """One line for an explicit --memory-gib on a CPU run, where no budget is checked (rather than
+    silence); None otherwise."""
+    if not cpu or asked_gib is None:
+        return None
+    return (f"tune: --memory-gib {asked_gib:g} is not checked on a CPU run: nothing is measured against a per-GPU "
+            "budget there (fits: n/a)")
+
+
 def why(ranking: dict, cands: list[ts.Candidate]) -> list[str]:
     """Why the pick won, in the diagnosis's own terms: its verdict beside the runner-up's and the best preset's."""
     by = {c.short: c for c in cands}
@@ -56,12 +125,15 @@ def why(ranking: dict, cands: list[ts.Candidate]) -> list[str]:
 
 def markdown(led: dict) -> str:
     """tune.md: the pick as YAML, the finding, why, the ranking table, what was pruned or not measured."""
+    stopped = led.get("stopped")
+    memory = (f"{led['memory_budget_gib']:g} GiB per GPU" if led["memory_budget_gib"] else
+              "not checked (CPU" + (f"; --memory-gib {led['memory_gib_asked']:g} not applied)" if led.get("memory_gib_asked") else ")"))
     lines = [f"# Tune ledger: {led['run_name']}", "",
              f"- date: {led['date']}; host: {led['host']}; {ledger.plural(led['world_size'], 'rank')}, {led['backend']}; model {led['model']}",
              f"- global batch {led['global_batch_size']}, cutoff_len {led['cutoff_len']}; each candidate a dry-run of "
-             f"{led['dryrun_steps']} steps ({led['warmup_steps']} warm-up); memory budget "
-             f"{str(led['memory_budget_gib']) + ' GiB per GPU' if led['memory_budget_gib'] else 'not checked (CPU)'}; "
-             f"time budget {fmt_s(led['budget_s']) if led['budget_s'] else 'none'}; searched in {fmt_s(led['elapsed_s'])}",
+             f"{led['dryrun_steps']} steps ({led['warmup_steps']} warm-up); memory budget {memory}; "
+             f"time budget {fmt_s(led['budget_s']) if led['budget_s'] else 'none'}; searched in {fmt_s(led['elapsed_s'])}"
+             + (f"; **{stop_text(stopped)}** ({stopped['not_measured']} not measured)" if stopped else ""),
              ("- speed levers at the config's values; then the pick with each of: " + ", ".join(led["levers_tried"])
               if led.get("levers_tried") else
               "- speed levers (attention, Liger, fused LoRA, compile) at the config's values (`--levers` tries others on the pick)"), "",

@@ -52,7 +52,9 @@ class Candidate:
     accumulation: int
     presets: list[str] = field(default_factory=list)
     units: float = 0.0  # memory estimate in relative units: micro-batch x cutoff_len x (GC off factor)
-    status: str = "planned"  # planned, measured, pruned, not measured, failed, out of memory
+    # planned, measuring (its dry-run running), measured, pruned, not measured, failed, out of memory;
+    # a search stopped by a signal: terminated (SIGTERM) / (SIGHUP), or interrupted (Ctrl-C), as the dry-run says
+    status: str = "planned"
     reason: str = ""
     result: dict = field(default_factory=dict)  # the measured numbers (tune.measure_row)
     levers: dict[str, str] = field(default_factory=dict)
@@ -339,8 +341,8 @@ def finding(ranking: dict, cands: list[Candidate]) -> str:
     if not ranking["pick"]:
         if not any(c.status in ("measured", "out of memory") for c in cands):
             failed = [c for c in cands if c.status == "failed"]
-            return (f"no candidate was measured: {len(failed)} failed"
-                    + (f" (the first: {failed[0].reason})" if failed else "") + "; nothing to pick")
+            return ("no candidate was measured" + (f": {len(failed)} failed (the first: {failed[0].reason})" if failed else "")
+                    + "; nothing to pick")
         return "no measured candidate fits the memory budget: nothing to pick"
     p = by[ranking.get("fastest") or ranking["pick"]]
     text = f"{p.short} is fastest at {p.result['tokens_per_s']:,.0f} tokens/s"
@@ -360,14 +362,20 @@ def finding(ranking: dict, cands: list[Candidate]) -> str:
         text += (f"; {b['speedup']:.2f}x the best preset, {'/'.join(b['presets'])} ({b['tokens_per_s']:,.0f} tokens/s)"
                  + (", within the spread (a tie)" if b["tied"] else ""))
     elif b:
-        text += f"; it is preset {'/'.join(b['presets'])}: no point of the space beat it"
+        # Only a space measured to its end (each point measured, or certain not to fit) has no point that beat it.
+        unmeasured = [c for c in cands if not c.levers and c.status not in ("measured", "pruned", "out of memory")]
+        text += f"; it is preset {'/'.join(b['presets'])}: " + (
+            f"no measured point beat it ({ledger.plural(len(unmeasured), 'candidate')} of the space not measured)"
+            if unmeasured else "no point of the space beat it")
     return text + "."
 
 
-def snippet(c: Candidate, global_batch: int, world: int, budget_gib: float | None) -> str:
-    """The winning settings as YAML to paste into a training config."""
+def snippet(c: Candidate, global_batch: int, world: int, budget_gib: float | None, stopped: str = "") -> str:
+    """The winning settings as YAML to paste into a training config; `stopped` (tune_report.stop_text)
+    heads it when the search was stopped short, so a pasted snippet does not pass for the answer."""
     fits = f"fits {budget_gib:g} GiB per GPU" if budget_gib else "memory not checked (CPU)"
     return "\n".join([
+        *([f"# tuneledger tune, {stopped}"] if stopped else []),
         # The pick is the least memory among those tied with the fastest (rank): the header says so.
         f"# tuneledger tune: the pick, {c.result['tokens_per_s']:,.0f} tokens/s on {ledger.plural(world, 'rank')}; {fits} "
         "(the fastest that fits, or the least memory of those tied with it: tune.md's Finding)",
