@@ -654,3 +654,22 @@ def test_the_lever_phase_says_what_is_left_of_the_whole_budget(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert re.search(r"tune \[5/5\] .*: measuring; 2 min 4\d s of the 4 min 00 s budget left", out), out
     assert space[-1] is v[0] and len(space) == 5  # kept in the space as it is measured (a stop keeps it), still cand-5
+
+
+def test_the_docs_name_every_lever_and_their_make_tune_example_runs_on_both_shipped_configs():
+    import re
+    import shlex
+
+    from tuneledger.config_load import from_cli
+
+    doc = (ROOT / "docs" / "tune.md").read_text()
+    assert not [k for k in ts.LEVER_KEYS if f"`{k}`" not in doc], "docs/tune.md's --levers keys lack some of LEVER_KEYS"
+    examples = re.findall(r'make tune [^\n]*ARGS="([^"]*)"', doc)
+    assert examples
+    for args in examples:
+        words = shlex.split(args)
+        levers = ts.parse_levers(words[words.index("--levers") + 1]) if "--levers" in words else []
+        keys = [w for w in words if "=" in w and not w.startswith("-")]  # make passes ARGS after the config's keys
+        for config in ("tiny.yaml", "qwen2.5-7b-qlora.yaml"):
+            for variant in levers:  # the checks tune makes before any run (a lever at odds with the job: exit 2)
+                from_cli([str(ROOT / "configs" / config), *keys, *(f"{k}={v}" for k, v in variant.items())])
