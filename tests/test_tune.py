@@ -130,6 +130,20 @@ def test_the_pick_is_the_fastest_that_fits_and_overlapping_spreads_are_ties():
     assert "per_device_train_batch_size: 2" in snip and "gradient_checkpointing: false" in snip and "packing: false" in snip
 
 
+def test_a_tie_with_a_wide_fastest_is_not_a_tie_with_what_lies_between():
+    """Ties are not transitive: a fastest with a wide spread overlaps A, but B lies between them
+    and is faster than A beyond both spreads. A is not tied (the CPU trial picked A, less memory,
+    beside a finding that called it 0.78x the best preset B)."""
+    space = ts.build_space(16, 1, 1024, [1, 2, 4], [True, False], [False])
+    by = {c.key: c for c in space}
+    wide = measured(by[(4, False, False)], 200, 0.6, 1.6, 30)  # 125-333 tokens/s
+    b = measured(by[(2, True, False)], 190, 0.98, 1.02, 20)  # preset B, 186-194
+    a = measured(by[(1, True, False)], 150, 0.98, 1.02, 10)  # preset A, 147-153: within wide's, not B's
+    r = ts.rank(space)
+    assert [t["with"] for t in r["ties"]] == [b.short] and a.short not in [t["with"] for t in r["ties"]]
+    assert r["pick"] == b.short and r["best_preset"]["candidate"] == b.short and wide.short == r["fastest"]
+
+
 def test_a_pick_that_beats_the_presets_says_by_how_much():
     space = ts.build_space(16, 1, 1024, [1, 4], [True], [True])
     by = {c.key: c for c in space}

@@ -304,8 +304,8 @@ def prune(todo: list[Candidate], done: list[Candidate], budget_gib: float | None
 
 def rank(cands: list[Candidate]) -> dict[str, Any]:
     """The ranking of measured candidates by tokens/s (fastest first), the pick (the fastest that
-    fits; a CPU run's fit is unknown and counts), the candidates tied with it (p10-p90 tokens/s ranges
-    overlap: ledger.overlap) with the steady steps each that would separate them
+    fits; a CPU run's fit is unknown and counts), the candidates tied with it (their p10-p90 tokens/s
+    range overlaps that of every faster candidate: ledger.overlap) with the steady steps each that would separate them
     (ledger.steps_to_separate), and the best preset with the pick's speed-up over it."""
     done = sorted([c for c in cands if c.status == "measured"], key=lambda c: -c.result["tokens_per_s"])
     fit = [c for c in done if c.result.get("fits") is not False]
@@ -313,7 +313,9 @@ def rank(cands: list[Candidate]) -> dict[str, Any]:
     if not fit:
         return out
     fastest = fit[0]
-    tied = [c for c in fit[1:] if ledger.overlap(fastest.result, c.result)]
+    # Tied: within the spread of every faster candidate, not only the fastest's (ties are not
+    # transitive: a wide fastest can overlap a slow one that a third is faster than beyond spread).
+    tied = [c for i, c in enumerate(fit[1:], 1) if all(ledger.overlap(d.result, c.result) for d in fit[:i])]
     out["ties"] = [{"with": c.short, "steps_to_separate": ledger.steps_to_separate(fastest.result, c.result)} for c in tied]
     # Within the spread they are equally fast: the pick is the one of them that needs least memory.
     pick = min([fastest, *tied], key=memory_gib)
