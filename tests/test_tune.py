@@ -687,3 +687,15 @@ def test_the_docs_name_every_lever_and_their_make_tune_example_runs_on_both_ship
         for config in ("tiny.yaml", "qwen2.5-7b-qlora.yaml"):
             for variant in levers:  # the checks tune makes before any run (a lever at odds with the job: exit 2)
                 from_cli([str(ROOT / "configs" / config), *keys, *(f"{k}={v}" for k, v in variant.items())])
+
+
+def test_what_would_fail_every_candidate_fails_once_before_any(tmp_path, tiny_model, capsys):
+    """A 4-bit job on a CPU (or a lora_target that is not a layer) ran every candidate to the same
+    preflight error; tune now runs the preflight once, first."""
+    from tuneledger import cli
+
+    assert cli.main(["tune", *job(tmp_path, tiny_model), "quantization_bit=4", "--cpu", "--nproc", "1"]) == 1
+    assert "quantization_bit=4 needs a CUDA GPU" in capsys.readouterr().err
+    assert cli.main(["tune", *job(tmp_path, tiny_model), "lora_target=nosuch_proj", "--cpu", "--nproc", "1"]) == 1
+    assert "lora_target: nosuch_proj: no such layer" in capsys.readouterr().err
+    assert not list((tmp_path / "run").glob("tune/cand-*"))

@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> int:
     from tuneledger.model import locate_model
-    from tuneledger.preflight_checks import check_data
+    from tuneledger.preflight_checks import check_data, run_checks
 
     steps_given = "dryrun_steps" in parse_overrides([i for i in args.items if "=" in i])
     cpu, nproc = processes(args.cpu, args.nproc)
@@ -247,6 +247,9 @@ def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> i
     space = ts.build_space(gb, world, cfg.cutoff_len, mbs, ts.parse_switch(args.gc, "gc"), ts.parse_switch(args.packing, "packing"))
     locate_model(cfg.model_name_or_path)
     check_data(cfg)
+    # What would fail every candidate fails once, here (4-bit on a CPU, a lora_target that is not
+    # a layer, no room for a save), not once per candidate.
+    run_checks(cfg, cuda=not cpu, dryrun=True)
     budget_gib = None if cpu else (args.memory_gib or card_memory_gib(nproc))
     tune_dir = cfg.out_dir / "tune"
     tune_dir.mkdir(parents=True, exist_ok=True)
