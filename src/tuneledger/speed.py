@@ -264,16 +264,8 @@ class LoraProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, A, B, bias, w, absmax, absmax2, code2, offset, code, meta, scale, p):
         wd = _dequantize(w, absmax, absmax2, code2, offset, code, meta)
-        dt = wd.dtype
-        x = x.to(dt)
-        y = torch.addmm(bias.to(dt), x, wd.t()) if bias is not None else x @ wd.t()
-        mask = None
-        if p:
-            xd, mask = torch.native_dropout(x, p, True)
-        else:
-            xd = x
-        a = xd @ A.to(dt).t()
-        y = torch.addmm(y, a, B.to(dt).t(), alpha=scale)
+        x = x.to(wd.dtype)
+        y, a, mask = lora_forward(x, wd, A, B, bias, scale, p)
         # x, not drop(x): x is one tensor shared by q/k/v (and gate/up) and kept anyway, while
         # each drop(x) is a copy of its own (about 7 GiB on preset D); backward remakes it from the mask.
         ctx.save_for_backward(x, a, A, B, w, absmax, absmax2, code2, offset, code, mask)
@@ -283,18 +275,39 @@ class LoraProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, a, A, B, w, absmax, absmax2, code2, offset, code, mask = ctx.saved_tensors
-        s, dt = ctx.scale, x.dtype
-        dy = dy.to(dt)
-        dyb = dy @ B.to(dt)
-        dlora = (dyb @ A.to(dt)).mul_(s)
-        xd = x
-        if mask is not None:
-            dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - ctx.p))
-            xd = torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - ctx.p))
-        dx = torch.addmm(dlora, dy, _dequantize(w, absmax, absmax2, code2, offset, code, ctx.meta))
-        dA = (dyb.t() @ xd).mul_(s).to(A.dtype)
-        dB = (dy.t() @ a).mul_(s).to(B.dtype)
+        wd = _dequantize(w, absmax, absmax2, code2, offset, code, ctx.meta)
+        dx, dA, dB = lora_backward(dy, x, a, A, B, wd, ctx.scale, ctx.p, mask)
         return dx, dA, dB, None, None, None, None, None, None, None, None, None, None
+
+
+def lora_forward(x, wd, A, B, bias, scale: float, p: float) -> tuple:
+    """y = x W^T + b + s (drop(x) A^T) B^T in x's dtype (W's compute dtype, dequantized: `wd`
+    [out, in]). Returns (y [T, out], a = drop(x) A^T [T, r], the dropout mask or None)."""
+    dt = x.dtype
+    y = torch.addmm(bias.to(dt), x, wd.t()) if bias is not None else x @ wd.t()
+    mask = None
+    if p:
+        xd, mask = torch.native_dropout(x, p, True)
+    else:
+        xd = x
+    a = xd @ A.to(dt).t()
+    return torch.addmm(y, a, B.to(dt).t(), alpha=scale), a, mask
+
+
+def lora_backward(dy, x, a, A, B, wd, scale: float, p: float, mask) -> tuple:
+    """lora_forward's gradients: (dx [T, in], dA [r, in], dB [out, r]); dA and dB in the masters'
+    dtype. dx = dy W + drop'(s (dy B) A), dA = s (dy B)^T drop(x), dB = s dy^T a; drop(x) is made
+    again from x and the mask."""
+    dt = x.dtype
+    dy = dy.to(dt)
+    dyb = dy @ B.to(dt)
+    dlora = (dyb @ A.to(dt)).mul_(scale)
+    xd = x
+    if mask is not None:
+        dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - p))
+        xd = torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - p))
+    dx = torch.addmm(dlora, dy, wd)
+    return dx, (dyb.t() @ xd).mul_(scale).to(A.dtype), (dy.t() @ a).mul_(scale).to(B.dtype)
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

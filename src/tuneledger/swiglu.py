@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuneledger.speed import _dequantize, base_weight_inputs
+from tuneledger.speed import _dequantize, base_weight_inputs, lora_backward, lora_forward
 
 
 class SwiGLUDownProjection(torch.autograd.Function):
@@ -37,17 +37,8 @@ class SwiGLUDownProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e, g, A, B, bias, w, absmax, absmax2, code2, offset, code, meta, scale, p):
         wd = _dequantize(w, absmax, absmax2, code2, offset, code, meta)
-        dt = wd.dtype
-        e, g = e.to(dt), g.to(dt)
-        h = F.silu(e) * g
-        y = torch.addmm(bias.to(dt), h, wd.t()) if bias is not None else h @ wd.t()
-        mask = None
-        if p:
-            hd, mask = torch.native_dropout(h, p, True)
-        else:
-            hd = h
-        a = hd @ A.to(dt).t()
-        y = torch.addmm(y, a, B.to(dt).t(), alpha=scale)
+        e, g = e.to(wd.dtype), g.to(wd.dtype)
+        y, a, mask = lora_forward(F.silu(e) * g, wd, A, B, bias, scale, p)
         ctx.save_for_backward(e, g, a, A, B, w, absmax, absmax2, code2, offset, code, mask)
         ctx.meta, ctx.scale, ctx.p = meta, scale, p
         return y
@@ -55,18 +46,9 @@ class SwiGLUDownProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         e, g, a, A, B, w, absmax, absmax2, code2, offset, code, mask = ctx.saved_tensors
-        s, dt = ctx.scale, e.dtype
-        dy = dy.to(dt)
-        dyb = dy @ B.to(dt)
-        dlora = (dyb @ A.to(dt)).mul_(s)
         se = F.silu(e)
-        hd = se * g
-        if mask is not None:
-            dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - ctx.p))
-            hd = torch.ops.aten.native_dropout_backward(hd, mask, 1.0 / (1.0 - ctx.p))
-        dh = torch.addmm(dlora, dy, _dequantize(w, absmax, absmax2, code2, offset, code, ctx.meta))
-        dA = (dyb.t() @ hd).mul_(s).to(A.dtype)
-        dB = (dy.t() @ a).mul_(s).to(B.dtype)
+        wd = _dequantize(w, absmax, absmax2, code2, offset, code, ctx.meta)
+        dh, dA, dB = lora_backward(dy, se * g, a, A, B, wd, ctx.scale, ctx.p, mask)
         de = torch.ops.aten.silu_backward(dh * g, e)
         dg = dh * se
         return de, dg, dA, dB, None, None, None, None, None, None, None, None, None, None
