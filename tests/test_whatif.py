@@ -205,6 +205,21 @@ def test_a_bad_yaml_and_a_bad_ledger_are_named(tmp_path):
     assert cli_rc(["whatif", str(cpu), "--gpus", "1xH200-sxm"]) == 2
 
 
+def test_a_binary_ledger_and_a_hardware_field_given_twice_are_bad_input(tmp_path, capsys):
+    """Two faults of one kind found by a re-trial: a binary file as a ledger (a traceback: it was
+    not UTF-8) and a hardware YAML with a field given twice (silently the last, as configs were)."""
+    binary = tmp_path / "garbage.bin"
+    binary.write_bytes(bytes(range(128, 256)) * 8)
+    assert cli_rc(["whatif", str(binary), "--gpus", "1xH200-sxm"]) == 2
+    assert f"{binary}: not a text file" in capsys.readouterr().err
+    assert cli_rc(["whatif", str(SCALING / "dryrun-1gpu.json"), "--gpus", "1xH200-sxm", "--against", str(binary)]) == 2
+    assert "not a text file" in capsys.readouterr().err
+    twice = tmp_path / "my.yaml"
+    twice.write_text((ROOT / "src/tuneledger/hardware/H100-sxm.yaml").read_text() + "bf16_tflops: 100\n")
+    assert cli_rc(["whatif", str(SCALING / "dryrun-1gpu.json"), "--gpus", f"{twice}"]) == 2
+    assert "key 'bf16_tflops' is given twice" in capsys.readouterr().err
+
+
 def cli_rc(argv: list[str]) -> int:
     from tuneledger import cli
 

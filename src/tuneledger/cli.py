@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # A full disk at any file operation (a lock, a job file, a ledger) is the user's to fix:
         # one line naming it, not a traceback. Saves name their checkpoint (guards.DiskFullError).
-        print(f"tuneledger {args.verb}: disk full: {e}. Free space there (`df -h`), then run the same command again",
-              file=sys.stderr)
+        where = getattr(e, "filename", None)
+        print(f"tuneledger {args.verb}: disk full: {e}. Free space{f' on the filesystem of {where}' if where else ''} "
+              "(`df -h`), then run the same command again", file=sys.stderr)
         return 1
     except Exception as e:
         # A DataError can only come from tuneledger.data once imported; importing it here would

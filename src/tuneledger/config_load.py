@@ -20,6 +20,7 @@ from tuneledger import llamafactory
 from tuneledger.config import FIELDS, PRESETS, ConfigError, JobConfig
 from tuneledger.llamafactory_use import benchmark_eval
 from tuneledger.words import plural
+from tuneledger.yaml_strict import DuplicateKey, StrictLoader
 
 
 def _is_text(annotation: Any) -> bool:
@@ -136,41 +137,15 @@ def key_lines(path: Path) -> dict[str, int]:
     return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
 
 
-class _DuplicateKey(yaml.YAMLError):
-    pass
-
-
-class _NoDuplicateKeys(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last one
-    silently, so `cutoff_len` written twice would train with whichever came last."""
-
-    def construct_mapping(self, node, deep=False):
-        first: dict = {}
-        if any(k.tag == "tag:yaml.org,2002:merge" for k, _ in node.value):
-            return super().construct_mapping(node, deep=deep)  # `<<: *base` then a key overrides it, on purpose
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                seen = key in first
-            except TypeError:  # an unhashable key: PyYAML's own error follows
-                continue
-            if seen:
-                raise _DuplicateKey(f"line {line}: key {key!r} is given twice (first at line {first[key]}; YAML "
-                                    "would keep the last silently): keep one")
-            first[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """A YAML file whose top level is a mapping. Raises ConfigError naming the file (and line:
     invalid YAML, a key given twice in one mapping)."""
     path = Path(path)
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_NoDuplicateKeys) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"{what} file {path} not found") from None
-    except _DuplicateKey as e:
+    except DuplicateKey as e:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from tuneledger.yaml_strict import DuplicateKey, StrictLoader
+
 HERE = Path(__file__).resolve().parent / "hardware"
 
 # field: (unit and meaning, lower bound exclusive or None for text)
@@ -97,7 +99,9 @@ def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | Non
     except OSError as e:
         raise WhatifError(f"{path}: cannot read the hardware file ({e.strerror or e})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=StrictLoader)
+    except DuplicateKey as e:
+        raise WhatifError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -72,6 +72,9 @@ def load_ledger(path: Path) -> dict:
         raise WhatifError(f"{path}: cannot read the dry-run ledger ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise WhatifError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a dry-run writes dryrun.json") from None
+    except UnicodeDecodeError as e:  # a binary file: not a ledger at all
+        raise WhatifError(f"{path}: not a text file (byte {e.start}: {e.reason}); a dry-run writes dryrun.json as "
+                          "UTF-8 JSON") from None
     if not isinstance(led, dict) or not isinstance(led.get("presets"), list) or not led["presets"]:
         raise WhatifError(f"{path}: no 'presets' list of measured rows: not a dry-run ledger (runs/<run>/dryrun.json)")
     if led.get("backend") == "gloo" or not led.get("gpu"):
