@@ -363,7 +363,7 @@ def test_a_failed_candidates_error_is_its_end_cut_at_a_word(tmp_path, monkeypatc
 
 def test_the_candidates_dry_run_dies_with_tune(tmp_path, monkeypatch):
     """kill -9 of tune must not leave its candidate measuring as an orphan: the dry-run starts with
-    PR_SET_PDEATHSIG (launch._die_with_parent), as the dry-run starts torchrun."""
+    PR_SET_PDEATHSIG (launch.die_with_parent), as the dry-run starts torchrun."""
     import argparse
     import subprocess
 
@@ -381,7 +381,7 @@ def test_the_candidates_dry_run_dies_with_tune(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", Proc)
     space = ts.build_space(1, 1, 128, [1], [True], [False])
     tune.run_candidate(space[0], 1, ["x.yaml"], argparse.Namespace(), True, 1, tmp_path, None)
-    assert seen["preexec_fn"] is launch._die_with_parent
+    assert seen["preexec_fn"] is launch.die_with_parent
 
 
 @pytest.mark.e2e

@@ -72,7 +72,7 @@ def _child_pids(pid: int) -> list[int]:
     return out
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: the kernel sends SIGTERM when the launcher dies (PR_SET_PDEATHSIG),
     so a kill -9 of `tuneledger train` does not leave torchrun and its ranks training as orphans.
     The stop signals the launcher blocks while it starts torchrun (run_workers) are unblocked here:
@@ -300,7 +300,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     try:
         # Its own session: a terminal's Ctrl-C reaches this process only, which decides what the ranks get.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
     except BaseException:
         if main:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -28,7 +28,7 @@ from tuneledger import ledger
 from tuneledger import tune_space as ts
 from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.config_load import from_cli, parse_overrides
-from tuneledger.launch import _die_with_parent, processes
+from tuneledger.launch import die_with_parent, processes
 from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.tune_report import (cpu_budget_note, error_tail, fits_word, fmt_s, mark_stopped, markdown, memory_line,
                                     no_pick_snippet, plot, stop_name, stop_text, stopped_finding, why)
@@ -77,7 +77,7 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
         f.flush()
         # The kernel sends the dry-run SIGTERM when tune dies, however (kill -9 included): it stops its
         # torchrun and ranks as on any SIGTERM, rather than measuring on as an orphan into this cand-k.
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
         try:
             proc.wait()
         except KeyboardInterrupt:  # tune was stopped: stop the candidate's dry-run (and its ranks) too
