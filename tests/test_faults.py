@@ -452,6 +452,44 @@ def test_a_full_disk_at_any_file_operation_is_one_line_not_a_traceback(tmp_path,
     assert last.startswith("tuneledger stats: disk full: ") and "then run the same command again" in last, last
 
 
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_presets_earlier_result_is_kept_until_its_new_run_succeeds(tmp_path, monkeypatch, fails):
+    """run_one sets the preset's earlier folder aside (a rename, which a full disk allows) and puts
+    it back when the new run fails, leaving the failed one beside it as `<preset>.failed`."""
+    import tuneledger.dryrun as dryrun
+    from tuneledger.config import resolve
+
+    cfg = resolve(load_config(None, {"model_name_or_path": "m", "dataset": ["d.json"], "quantization_bit": None,
+                                     "preset": "A"}), 2)
+    folder = tmp_path / "dryrun" / "A"
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text('{"earlier": true}')
+    full = "OSError: [Errno 28] No space left on device"
+
+    def fake_workers(job, job_path, nproc, log, nodes, rdzv_id, outcome):
+        assert not (folder / "result.json").exists()  # the run starts in an empty folder
+        job_path.parent.mkdir(parents=True, exist_ok=True)
+        job_path.write_text(json.dumps(job))
+        if fails:
+            outcome["causes"] = [full]
+            return 1
+        Path(job["result_path"]).write_text(json.dumps({"new": True}))
+        outcome["causes"] = []
+        return 0
+
+    monkeypatch.setattr(dryrun, "run_workers", fake_workers)
+    monkeypatch.setattr(dryrun, "time_publish", lambda d: 0.0)
+    rc, result, oom, disk = dryrun.run_one(cfg, tmp_path / "prep", 2, True, tmp_path, tmp_path / "dryrun.log")
+    if fails:
+        assert (rc, result, disk) == (1, None, full)
+        assert json.loads((folder / "result.json").read_text()) == {"earlier": True}
+        assert (tmp_path / "dryrun" / "A.failed" / "job.json").exists()
+    else:
+        assert rc == 0 and result["new"] and disk is None
+        assert json.loads((folder / "result.json").read_text()) == {"new": True}
+    assert not (tmp_path / "dryrun" / "A.earlier").exists()
+
+
 def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, tmp_path):
     from tuneledger.preflight_checks import check_disk, checkpoint_bytes, checkpoint_estimate, tokenizer_bytes
     from tuneledger.model import read_model_config

@@ -113,7 +113,7 @@ def test_dryrun_heading_names_the_preset_once_and_passes_progress(monkeypatch, c
 
     def fake_run_one(cfg, prep_path, nproc, cpu, out_root, log, cap_gib=None, progress=None, **kw):
         seen.append(progress)
-        return 1, None, False
+        return 1, None, False, None
 
     monkeypatch.setattr(dryrun, "run_one", fake_run_one)
     base = {"model_name_or_path": "m", "dataset": ["d.json"], "quantization_bit": None}
@@ -127,6 +127,32 @@ def test_dryrun_heading_names_the_preset_once_and_passes_progress(monkeypatch, c
     assert "preset A: preset A" not in out
     assert [p["label"] for p in seen] == ["dry-run preset A (1 of 2)", "dry-run preset C (2 of 2)"]
     assert [p["later_presets"] for p in seen] == [1, 0] and not any("earlier_s" in p for p in seen)
+
+
+def test_a_preset_that_meets_a_full_disk_stops_the_dryrun_and_names_the_rest(monkeypatch, capsys):
+    import tuneledger.dryrun as dryrun
+    from tuneledger.config import resolve
+    from tuneledger.config_load import load_config
+
+    ran = []
+    full = "DiskFullError: [Errno 28] disk full while saving run/dryrun/A/checkpoint-6: a checkpoint needs more"
+
+    def fake_run_one(cfg, *a, **kw):
+        ran.append(cfg.preset)
+        return 1, None, False, full
+
+    monkeypatch.setattr(dryrun, "run_one", fake_run_one)
+    base = {"model_name_or_path": "m", "dataset": ["d.json"], "quantization_bit": None}
+    planned = [(p, resolve(load_config(None, {**base, "preset": p}), 2)) for p in "ABC"]
+    rows = []
+    dryrun.measure_presets(argparse.Namespace(no_fit_check=True), planned, 2, True, SimpleNamespace(path="p"), {}, None,
+                           "log", rows, {})
+    out = capsys.readouterr().out
+    assert ran == ["A"]  # B and C would meet the same disk after their model load
+    assert "preset A: the disk is full (the worker error above); the presets after it are not measured" in out
+    assert rows == [{"preset": "A", "skipped": f"disk full: {full}"},
+                    {"preset": "B", "skipped": "not measured: the disk was full"},
+                    {"preset": "C", "skipped": "not measured: the disk was full"}]
 
 
 def test_bitsandbytes_cpu_kernel_message_is_dropped_at_its_logger():

@@ -30,7 +30,7 @@ from tuneledger.checkpoints import time_publish
 from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, preset_overrides, resolve
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.dryrun_report import finding, markdown, print_table
-from tuneledger.files import write_text_atomic
+from tuneledger.files import says_disk_full, write_text_atomic
 from tuneledger.machine_facts import topology, versions
 from tuneledger.launch import BeforeRanks, StoppedBeforeStart, Terminated, processes, run_workers, sigterm_raises, used_gpus
 from tuneledger.ledger import CAP_24GB_GIB
@@ -53,20 +53,25 @@ def preset_config(items: list[str], preset: str) -> JobConfig:
 def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Path, log: Path,
             cap_gib: float | None = None, nodes: Nodes = Nodes(), progress: dict | None = None,
             eval_path: Path | None = None, stats: dict | None = None
-            ) -> tuple[int, dict | None, bool]:
-    """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of memory).
+            ) -> tuple[int, dict | None, bool, str | None]:
+    """One torchrun of the worker in dry-run mode; returns (exit code, result or None, ran out of
+    memory, the failed rank's disk-full error or None).
 
     With `cap_gib`, each process's CUDA allocator is capped there (the 24 GB-card proof). With
     several nodes, only node 0 clears the (shared) preset folder; the others keep their job file
     beside it, where that cannot delete it. `progress` goes to the worker's step lines
     (progress.StepProgress). With `stats`, the worker replays the real run's steps (its first ones,
     then some across the run); the result gets the launcher's start and exit times (`launcher`)
-    for the ETA's parts.
+    for the ETA's parts. The preset's earlier folder (its result.json) is kept until this run has
+    succeeded; a failed run's folder is left beside it as `<preset>.failed`.
     """
     name = f"{cfg.preset}{'-cap' if cap_gib else ''}"
     run_dir = out_root / "dryrun" / name
+    earlier = run_dir.with_name(f"{name}.earlier")
     if nodes.first:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(earlier, ignore_errors=True)
+        if run_dir.exists():
+            run_dir.rename(earlier)  # a rename: it needs no room on a full disk
     if cap_gib:
         cfg = cfg.model_copy(update={"memory_cap_gib": cap_gib})
     job = {"mode": "dryrun", "config": cfg.model_dump(), "data_path": str(prep_path), "out_dir": str(run_dir),
@@ -76,7 +81,8 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     if stats:
         job.update(total_steps=ledger.total_steps(stats, cfg), steps_per_epoch=stats["steps_per_epoch"])
     t_launch = time.time()
-    rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}")
+    outcome: dict = {}
+    rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}", outcome=outcome)
     t_exit = time.time()
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
     if result is not None:
@@ -84,7 +90,17 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     # The checkpoint was written only to be timed and weighed; its size is in the result.
     for ckpt in run_dir.glob("checkpoint-*"):
         shutil.rmtree(ckpt, ignore_errors=True)
-    return rc, result, any(run_dir.glob("oom-rank*.json"))
+    oom = any(run_dir.glob("oom-rank*.json"))
+    if nodes.first and result is None and earlier.exists():
+        failed = run_dir.with_name(f"{name}.failed")
+        shutil.rmtree(failed, ignore_errors=True)
+        if run_dir.exists():
+            run_dir.rename(failed)
+        earlier.rename(run_dir)
+    elif nodes.first:
+        shutil.rmtree(earlier, ignore_errors=True)
+    full = next((c for c in outcome.get("causes") or [] if says_disk_full(c)), None)
+    return rc, result, oom, full
 
 
 def verdict(row: dict, rows: list[dict], nproc: int, cpu: bool = False) -> dict:
@@ -207,15 +223,21 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
         # The 24 GB proof costs nothing extra: the measured run itself runs under the cap, and only
         # a preset that runs out of memory there is run again uncapped for its throughput.
         fit_check = not cpu and not args.no_fit_check
-        rc, result, oom = run_one(cfg, prep.path, nproc, cpu, out_root, log, cap_gib=CAP_24GB_GIB if fit_check else None,
-                                  nodes=nodes, progress=progress, eval_path=eval_path, stats=stats)
+        rc, result, oom, full = run_one(cfg, prep.path, nproc, cpu, out_root, log, cap_gib=CAP_24GB_GIB if fit_check else None,
+                                        nodes=nodes, progress=progress, eval_path=eval_path, stats=stats)
         if fit_check and oom:
             print(f"preset {name}: out of memory under the {CAP_24GB_GIB:g} GiB cap: does not fit a 24 GB card; "
                   "measuring again uncapped", flush=True)
             started = datetime.now(timezone.utc)
-            rc, result, _ = run_one(cfg, prep.path, nproc, cpu, out_root, log, nodes=nodes, progress=progress,
-                                    eval_path=eval_path, stats=stats)
+            rc, result, _, full = run_one(cfg, prep.path, nproc, cpu, out_root, log, nodes=nodes, progress=progress,
+                                          eval_path=eval_path, stats=stats)
         ended = datetime.now(timezone.utc)
+        if full:
+            # The presets after it would meet the same full disk after their model load: say it once.
+            print(f"preset {name}: the disk is full (the worker error above); the presets after it are not measured", flush=True)
+            rows.append({"preset": name, "skipped": f"disk full: {full}"})
+            rows += [{"preset": n, "skipped": "not measured: the disk was full"} for n in runnable[index:]]
+            return
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
             rows.append({"preset": name, "skipped": f"worker failed with exit code {rc}, see {log}"})
@@ -306,7 +328,9 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
           f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
     out_root.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
     log = out_root / f"dryrun{nodes.suffix()}.log"
-    log.write_text("")
+    if log.exists():  # the earlier dry-run's log stays readable beside this one's (a rename needs no room)
+        log.rename(log.with_name(log.name + ".1"))
+    log.touch()
     topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
     # NVML from this (launcher) process: it holds no CUDA context, sees every GPU, and its rows go
     # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.

@@ -22,8 +22,10 @@ def write_text_atomic(path: Path | str, text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno and not e.filename:  # a failed write or fsync names no file: name the one meant
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     return path
 
@@ -35,8 +37,15 @@ def disk_full(exc: BaseException | None) -> bool:
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        text = str(exc)
-        if "No space left on device" in text or "file write failed" in text or "Disk quota exceeded" in text:
+        if says_disk_full(str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def says_disk_full(text: str) -> bool:
+    """True if `text` (an error's message, or a failed rank's last line as the launcher read it)
+    is one of a full disk's: the OS's, torch.save's ("file write failed") or a save's own
+    (guards.DiskFullError: "disk full while saving")."""
+    return any(s in text for s in ("No space left on device", "file write failed", "Disk quota exceeded",
+                                   "disk full while saving"))

@@ -61,10 +61,17 @@ def patch_static_rendezvous() -> None:
 
 
 def main(argv: list[str]) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     patch_static_rendezvous()
-    torchrun(argv)
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        # torchrun's own traceback says only where in torchrun it raised; its table of the failed
+        # ranks (exit code or signal, which rank first) is what the user and the launcher read.
+        print(f"torchrun: {type(e).__name__}:{e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from tuneledger import quiet  # noqa: E402
 from tuneledger.checkpoints import best_checkpoint, last_checkpoint  # noqa: E402
 from tuneledger.config import JobConfig  # noqa: E402
-from tuneledger.files import write_text_atomic  # noqa: E402
+from tuneledger.files import disk_full, write_text_atomic  # noqa: E402
 from tuneledger.guards import CrashAfterStep, NonFiniteGuard, SealCheckpoint, StopOnSignal, set_parent_death_signal  # noqa: E402
 from tuneledger.ledger import compiled, run_loss  # noqa: E402
 from tuneledger.nodes import check_same_nodes, host_name  # noqa: E402
@@ -279,7 +279,15 @@ def resolve_report_to(cfg: JobConfig, rank: int) -> str:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
+    try:
+        code = main(sys.argv[1])
+    except BaseException as e:
+        if not disk_full(e):
+            raise
+        # Each rank that meets a full disk would print some 40 lines of torch.save's and peft's frames;
+        # the message (guards.DiskFullError names the checkpoint and the bytes) is what the user acts on.
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
     # The result is written and the process group destroyed: nothing is left to do. Interpreter
     # teardown of torch's C++ threads aborted 1 in ~10 FSDP2 runs over gloo (torch 2.13: "terminate
     # called without an active exception", SIGABRT), which failed a run that had finished; the
