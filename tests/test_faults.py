@@ -450,6 +450,7 @@ def test_a_full_disk_at_any_file_operation_is_one_line_not_a_traceback(tmp_path,
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     last = [line for line in p.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("tuneledger stats: disk full: ") and "then run the same command again" in last, last
+    assert f"on the filesystem of {small_tmpfs / 'run'}" in last, last  # the file it could not write
 
 
 @pytest.mark.parametrize("fails", [True, False])

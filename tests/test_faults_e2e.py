@@ -268,6 +268,45 @@ def test_disk_full_names_path_need_and_free_and_keeps_the_last_good_checkpoint(t
     assert problem(run / "checkpoint-2") is None
 
 
+def test_a_disk_that_fills_during_a_dryrun_preset_is_said_once_and_keeps_the_earlier_dryrun(tmp_path, tmpfs, tiny_model,
+                                                                                              data):
+    from tuneledger.launch import _child_pids
+
+    run = tmpfs / "run"
+    dry = ["dryrun", str(ROOT / "configs/tiny.yaml"), f"model_name_or_path={tiny_model}", f"dataset={data}",
+           f"output_dir={run}", f"cache_dir={tmp_path / 'cache'}", "cutoff_len=128", "global_batch_size=2",
+           "dryrun_steps=4", "dryrun_warmup_steps=1", "--preset", "A", "--cpu", "--nproc", "2"]
+    first = tl(*dry)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    ledger, result = (run / "dryrun.json").read_text(), (run / "dryrun" / "A" / "result.json").read_text()
+    launcher = start(*dry, out=tmp_path / "out")
+    try:
+        # Another writer fills the disk while the preset runs (its ranks paused), before its timed save.
+        wait_for(lambda: (run / "dryrun.log.1").exists() and (run / "dryrun.log").exists()
+                 and "step 1/" in (run / "dryrun.log").read_text(),
+                 "the first step", proc=launcher, log=run / "dryrun.log")
+        ranks = [r for t in _child_pids(launcher.pid) for r in _child_pids(t)]
+        for r in ranks:
+            os.kill(r, signal.SIGSTOP)
+        fill(tmpfs, leave=0)
+        for r in ranks:
+            os.kill(r, signal.SIGCONT)
+        rc = launcher.wait(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    out = (tmp_path / "out").read_text()
+    assert rc == 1, out[-3000:]
+    assert "Traceback" not in out, out[-4000:]  # the ranks' and torchrun's tracebacks are one line each
+    assert "preset A: the disk is full (the worker error above)" in out and "worker error: DiskFullError: " in out
+    last = [line for line in out.splitlines() if line.strip()][-1]
+    assert last.startswith("tuneledger dryrun: disk full: "), last
+    # What the first dry-run left is all there: its ledger, the preset's result, its log.
+    assert (run / "dryrun.json").read_text() == ledger
+    assert (run / "dryrun" / "A" / "result.json").read_text() == result
+    assert "step 1/" in (run / "dryrun.log.1").read_text()
+
+
 # -------------------------------------------------------------------------------- items 2, 5, 8
 def test_deleted_optimizer_resumes_from_the_previous_checkpoint_with_its_schedule(tmp_path, finished, tiny_model, data):
     run = copy_of(finished, tmp_path)

@@ -52,10 +52,14 @@ class RunLock:
             raise RunLocked(f"{self.path.parent} is in use by {who}. {self.clash} Wait for it to finish, stop it, "
                             "or use another run_name / output_dir.") from None
         self.stale = _read(fd) or None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                  "command": " ".join(sys.argv)}).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                      "command": " ".join(sys.argv)}).encode(), 0)
+        except OSError as e:  # a full disk: name the lock, and release it
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         self.fd = fd
         return self
 
