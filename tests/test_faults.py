@@ -651,6 +651,11 @@ def test_a_damaged_final_checkpoint_loads_its_verified_copy_at_the_root(tmp_path
     assert "checkpoint-4 does not verify" in capsys.readouterr().err
     (run / "adapter_model.safetensors").write_bytes(b"x")  # the root copy damaged too
     assert find_checkpoint(run) == older
+    err = capsys.readouterr().err
+    # Why, then which one is used instead, and what that means.
+    assert "the run's final adapter (checkpoint-4) does not verify (" in err, err
+    assert (f"nor does its copy at {run}/: using checkpoint-2, the newest checkpoint that verifies (an earlier step "
+            "than the run's end)") in err, err
 
 
 def test_stats_names_the_invalid_file_it_really_wrote(tmp_path, capsys):

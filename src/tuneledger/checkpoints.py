@@ -292,6 +292,7 @@ def find_checkpoint(path: Path) -> Path:
     is the run's checkpoint with the lowest eval loss (best_checkpoint). A run's root holds
     a copy of its final adapter (FINAL names the checkpoint it came from): that
     checkpoint is returned while it is there. Raises LoadError."""
+    final, final_why = None, ""  # the run's final checkpoint, when neither it nor its copy at the root verifies
     if (path / FINAL).is_file():
         named = path / str(json.loads((path / FINAL).read_text()).get("checkpoint", ""))
         if named != path and (named / "adapter_config.json").is_file():
@@ -305,6 +306,7 @@ def find_checkpoint(path: Path) -> Path:
                     print(f"WARNING: {named.name} does not verify ({why}); its copy at {path}/ does (the same "
                           f"hashes as its manifest): using that", file=sys.stderr, flush=True)
                 return path
+            final, final_why = named, why
     elif (path / "adapter_config.json").is_file():
         # A sealed checkpoint is used only if it verifies (files, hashes, health); an adapter
         # folder from elsewhere (no manifest) is used as it is.
@@ -326,6 +328,11 @@ def find_checkpoint(path: Path) -> Path:
             _WARNED.add(str(p))
             print(f"WARNING: {p.name} skipped: {why}", file=sys.stderr, flush=True)
     found = last_checkpoint(path, require=("adapter_config.json",))
+    if final is not None and found and Path(found) != final and f"final:{final}" not in _WARNED:
+        _WARNED.add(f"final:{final}")
+        print(f"WARNING: the run's final adapter ({final.name}) does not verify ({final_why}), nor does its copy at {path}/: "
+              f"using {Path(found).name}, the newest checkpoint that verifies (an earlier step than the run's end)",
+              file=sys.stderr, flush=True)
     if not found:
         if not path.exists():
             siblings = sorted(p.name for p in path.parent.glob("checkpoint-*")) if path.parent.is_dir() else []
