@@ -6,8 +6,9 @@
 - `StopOnSignal`: SIGTERM/SIGINT finishes the step, saves and exits 0 on every rank;
 - a full disk mid-save (`disk_full`, `DiskFullError`): the message names the path and the bytes;
 - `resume_conflicts` and `data_changes`: what a resume would silently change (settings, data);
-- `set_parent_death_signal`: no rank trains on as an orphan; `CrashAfterStep`: fault injection
-  for the resume test. docs/faults.md has each fault and what it leaves.
+- `CrashAfterStep`: fault injection for the resume test.
+A rank dies with its launcher through launch.set_parent_death_signal. docs/faults.md has each fault
+and what it leaves.
 """
 
 from __future__ import annotations
@@ -238,19 +239,6 @@ class StopOnSignal(TrainerCallback):
             control.should_training_stop = True
             if state.is_world_process_zero:
                 print(f"{self.stopped['signal']}: stopping after step {state.global_step}; saving it", flush=True)
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send `sig` to this process when its parent dies (Linux PR_SET_PDEATHSIG),
-    so ranks never train on as orphans after their launcher is killed."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux
-    if os.getppid() == 1:  # the parent died before the call
-        os.kill(os.getpid(), sig)
 
 
 class CrashAfterStep(TrainerCallback):

@@ -72,15 +72,28 @@ def _child_pids(pid: int) -> list[int]:
     return out
 
 
-def die_with_parent() -> None:
-    """In the child before exec: the kernel sends SIGTERM when the launcher dies (PR_SET_PDEATHSIG),
-    so a kill -9 of `tuneledger train` does not leave torchrun and its ranks training as orphans.
-    The stop signals the launcher blocks while it starts torchrun (run_workers) are unblocked here:
-    a blocked mask would pass through exec to torchrun and its ranks."""
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (Linux PR_SET_PDEATHSIG),
+    so a rank, torchrun or a tune candidate never runs on as an orphan after a kill -9 of what
+    started it. If the parent is already gone (adopted by init), `sig` comes at once. Elsewhere than
+    Linux it does nothing."""
     import ctypes
 
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux
+    if os.getppid() == 1:  # the parent died before the call
+        os.kill(os.getpid(), sig)
+
+
+def die_with_parent() -> None:
+    """In the child before exec (Popen's preexec_fn): set_parent_death_signal, so a kill -9 of
+    `tuneledger train` does not leave torchrun and its ranks training as orphans. The stop signals
+    the launcher blocks while it starts torchrun (run_workers) are unblocked here: a blocked mask
+    would pass through exec to torchrun and its ranks."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+    set_parent_death_signal()
 
 
 # The signals a training stops at: a scheduler's SIGTERM, a terminal's Ctrl-C, a closed terminal's SIGHUP.

@@ -34,7 +34,8 @@ from tuneledger import quiet  # noqa: E402
 from tuneledger.checkpoints import best_checkpoint, last_checkpoint  # noqa: E402
 from tuneledger.config import JobConfig  # noqa: E402
 from tuneledger.files import disk_full, write_text_atomic  # noqa: E402
-from tuneledger.guards import CrashAfterStep, NonFiniteGuard, SealCheckpoint, StopOnSignal, set_parent_death_signal  # noqa: E402
+from tuneledger.guards import CrashAfterStep, NonFiniteGuard, SealCheckpoint, StopOnSignal  # noqa: E402
+from tuneledger.launch import set_parent_death_signal  # noqa: E402
 from tuneledger.ledger import compiled, run_loss  # noqa: E402
 from tuneledger.nodes import check_same_nodes, host_name  # noqa: E402
 from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,  # noqa: E402
