@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from tuneledger import compiled as compiled_layers, speed  # noqa: E402
+from tuneledger import compiled as compiled_layers, fused_lora, speed  # noqa: E402
 
 
 def write_model(path: Path) -> None:
@@ -47,7 +47,7 @@ def build(path: Path, device: str, fused: bool, attn: str, compiled: bool):
     for n, p in m.named_parameters():
         if "lora_B" in n:
             p.data.normal_(0, 0.02)
-    speed.fuse_lora(m, fused)
+    fused_lora.fuse_lora(m, fused)
     if compiled:  # by hand: compiled_layers.compile_layers refuses the unfused 4-bit path this measures
         torch._dynamo.config.optimize_ddp = False
         for layer in m.base_model.model.model.layers:

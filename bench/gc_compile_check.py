@@ -7,7 +7,7 @@ the compiled region, AOT autograd's partitioner keeps only the layer's inputs an
 forward inside the backward graph (two graphs per layer, the recomputation fused with backward).
 
 This compares, on a small random Qwen2 with LoRA on all seven projections (tuneledger's fused
-projection, speed.fuse_lora), for the same batches: eager without checkpointing (reference),
+projection, fused_lora.fuse_lora), for the same batches: eager without checkpointing (reference),
 eager with transformers' checkpointing, compiled layers with transformers' checkpointing around
 them, and compiled layers with the checkpoint inside (compiled.compile_layers(checkpoint=True)).
 Prints per case the losses, the worst LoRA gradient error relative to the reference gradient's
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from tuneledger import compiled, speed  # noqa: E402
+from tuneledger import compiled, fused_lora  # noqa: E402
 
 
 def write_model(path: Path) -> None:
@@ -69,7 +69,7 @@ def build(path: Path, device: str, dtype: torch.dtype, gc: bool, mode: str, drop
     for n, p in m.named_parameters():
         if "lora_B" in n:
             p.data.normal_(0, 0.02)
-    speed.fuse_lora(m, True)
+    fused_lora.fuse_lora(m, True)
     line = "off"
     if mode != "eager":
         line = compiled.compile_layers(m, True, "cuda", True, nf4, checkpoint=mode.startswith("compiled-inside") and gc)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tuneledger import compiled, grouped, speed
+from tuneledger import compiled, fused_lora, grouped
 from tuneledger.config_load import load_config
 
 import test_speed as speed_tests  # its loss-and-gradient helpers (tests/ is on the path)
@@ -47,7 +47,7 @@ def _model(tiny_model, group: bool, quant: bool = False, dropout: float = 0.0):
     for n, p in m.named_parameters():
         if "lora_B" in n:  # peft starts B at zero, which would hide a wrong B gradient
             p.data.normal_(0, 0.05)
-    assert speed.fuse_lora(m, True).startswith("on")
+    assert fused_lora.fuse_lora(m, True).startswith("on")
     if group:
         assert grouped.group_lora(m, True, True, dropout).startswith("on (")
     return m
@@ -144,7 +144,7 @@ def test_the_levers_line_names_the_groups_made_and_a_target_without_one_is_refus
     def lora(targets):
         m = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
                            LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
-        speed.fuse_lora(m, True)
+        fused_lora.fuse_lora(m, True)
         return m
 
     m = lora(["q_proj", "v_proj", "gate_proj", "up_proj"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tuneledger import compiled, speed
+from tuneledger import compiled, fused_lora, speed
 from tuneledger.config_load import load_config
 from tuneledger.config import ConfigError
 from tuneledger.data import encode
@@ -90,7 +90,7 @@ def _lora_model(tiny_model, fused: bool, dropout: float = 0.0):
     for n, p in model.named_parameters():
         if "lora_B" in n:  # peft starts B at zero, which would hide a wrong B gradient or scale
             p.data.normal_(0, 0.05)
-    line = speed.fuse_lora(model, True if fused else False)
+    line = fused_lora.fuse_lora(model, True if fused else False)
     return model, line
 
 
@@ -130,9 +130,9 @@ def test_fused_lora_refuses_what_it_cannot_compute(tiny_model):
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
                            LoraConfig(r=4, use_dora=True, target_modules="all-linear", task_type="CAUSAL_LM"))
-    assert speed.fuse_lora(model, None) == "off (DoRA, a LoRA bias or a merged adapter)"
+    assert fused_lora.fuse_lora(model, None) == "off (DoRA, a LoRA bias or a merged adapter)"
     with pytest.raises(ValueError, match="fused_lora: true cannot apply: DoRA"):
-        speed.fuse_lora(model, True)
+        fused_lora.fuse_lora(model, True)
 
 
 def test_pick_attention_says_why():
@@ -251,7 +251,7 @@ def _nf4_lora_model(tiny_model, fused: bool, dropout: float = 0.0):
     for n, p in m.named_parameters():
         if "lora_B" in n:
             p.data.normal_(0, 0.05)
-    assert speed.fuse_lora(m, fused).startswith("on" if fused else "off")
+    assert fused_lora.fuse_lora(m, fused).startswith("on" if fused else "off")
     return m
 
 
@@ -302,7 +302,7 @@ def test_dequantize_in_graph_is_bitsandbytes_dequantize(nested, shape):
     class Base:
         weight = packed
     packed.quant_state = state
-    got = speed.dequantize_in_graph(*speed.base_weight_inputs(Base))
+    got = fused_lora.dequantize_in_graph(*fused_lora.base_weight_inputs(Base))
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got, want), (got - want).abs().max()
 
@@ -321,12 +321,12 @@ def test_compiled_layers_dequantize_through_bitsandbytes_ops_unless_asked(monkey
     class Base:
         weight = packed
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(speed, "dequantize_in_graph", lambda *a: "graph")
+    monkeypatch.setattr(fused_lora, "dequantize_in_graph", lambda *a: "graph")
     monkeypatch.delenv("TUNELEDGER_DEQUANT", raising=False)
-    got = speed._dequantize(*speed.base_weight_inputs(Base))
+    got = fused_lora._dequantize(*fused_lora.base_weight_inputs(Base))
     assert isinstance(got, torch.Tensor) and torch.equal(got, bf.dequantize_4bit(packed, state))
     monkeypatch.setenv("TUNELEDGER_DEQUANT", "graph")
-    assert speed._dequantize(*speed.base_weight_inputs(Base)) == "graph"
+    assert fused_lora._dequantize(*fused_lora.base_weight_inputs(Base)) == "graph"
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tuneledger import compiled, speed, swiglu
+from tuneledger import compiled, fused_lora, swiglu
 from tuneledger.config_load import load_config
 
 import test_speed as speed_tests  # its loss-and-gradient helpers (tests/ is on the path)
@@ -107,7 +107,7 @@ def test_swiglu_recompute_is_refused_where_it_cannot_apply(tiny_model):
         swiglu.recompute_swiglu(_model(tiny_model, False), True, False)
     m = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
                        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"], task_type="CAUSAL_LM"))
-    speed.fuse_lora(m, True)
+    fused_lora.fuse_lora(m, True)
     with pytest.raises(ValueError, match="needs LoRA on down_proj"):
         swiglu.recompute_swiglu(m, True, True)
 

@@ -89,7 +89,7 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
 
 
 def dequant_in_graph() -> bool:
-    """Whether a compiled layer dequantizes NF4 in torch ops of its own graph (speed.dequantize_in_graph)
+    """Whether a compiled layer dequantizes NF4 in torch ops of its own graph (fused_lora.dequantize_in_graph)
     instead of bitsandbytes' ops: only with TUNELEDGER_DEQUANT=graph (make bench's *graphdq rows).
     Measured in one H200 call, preset C: 7,952 tokens/s in the graph against 8,177 with bitsandbytes'
     ops (mean step; bench/results/h200-2026-12-04): no gain, so not the default."""

@@ -58,7 +58,7 @@ def markdown(led: dict) -> str:
     for r in led["presets"]:
         if "skipped" in r:
             lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
-    # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py).
+    # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py, fused_lora.py, compiled.py).
     lines += [f"\n{x}" for x in override_lines(rows)]
     lines += [""] + common_lines("- levers", {r["preset"]: r["model"].get("levers") or {} for r in rows})
     lines += eta_markdown(rows)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuneledger.speed import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT, _dequantize, _fused_forward, base_weight_inputs
+from tuneledger.fused_lora import _dequantize, _fused_forward, base_weight_inputs
+from tuneledger.speed import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # Members whose output gets a tensor of its own: attention saves v as it comes (no rotary, no
@@ -147,7 +148,7 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def group_blocker(members: tuple, lora_dropout: float) -> str | None:
-    """Why these LoRA layers (already fused: speed.fuse_lora) cannot run as one group, or None."""
+    """Why these LoRA layers (already fused: fused_lora.fuse_lora) cannot run as one group, or None."""
     if lora_dropout:
         return "lora_dropout > 0 (a group would draw one dropout mask where peft draws one per projection)"
     names = {m.active_adapters[0] for m in members}
@@ -165,7 +166,7 @@ def group_blocker(members: tuple, lora_dropout: float) -> str | None:
 
 def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> str:
     """Run each decoder layer's q/k/v and gate/up LoRA projections as one GroupedLoraProjection
-    each. `wanted`: the config's grouped_lora; `fused`: whether speed.fuse_lora is on (the group
+    each. `wanted`: the config's grouped_lora; `fused`: whether fused_lora.fuse_lora is on (the group
     stands in for the fused projection); `compiled_checkpoint`: whether gradient checkpointing
     will run inside compiled layers (compiled.checkpoint_inside). Returns the ledger's line;
     raises ValueError when wanted and it cannot apply (fused_lora off, lora_dropout > 0,

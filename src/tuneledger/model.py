@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tuneledger import compiled, grouped, nf4, speed, swiglu
+from tuneledger import compiled, fused_lora, grouped, nf4, speed, swiglu
 from tuneledger.model_location import PreflightError, hub_offline, locate_model, looks_like_path  # noqa: F401
 from tuneledger.tokenizer_load import fix_end_of_turn, load_tokenizer  # noqa: F401  (tokenizers are the data side's)
 
@@ -199,7 +199,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    levers["fused_lora"] = _lever(speed.fuse_lora, model, wanted["fused_lora"])
+    levers["fused_lora"] = _lever(fused_lora.fuse_lora, model, wanted["fused_lora"])
     if wanted["grouped_lora"]:  # the ledger line names it only when asked for (default off, not yet measured)
         levers["grouped_lora"] = _lever(grouped.group_lora, model, True, levers["fused_lora"].startswith("on"),
                                         cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuneledger.speed import _dequantize, base_weight_inputs, lora_backward, lora_forward
+from tuneledger.fused_lora import _dequantize, base_weight_inputs, lora_backward, lora_forward
 
 
 class SwiGLUDownProjection(torch.autograd.Function):
@@ -80,7 +80,7 @@ def swiglu_mlps(model: Any) -> list:
 
 def recompute_swiglu(model: Any, wanted: bool, fused: bool) -> str:
     """Route every SwiGLU MLP of a peft model through SwiGLUDownProjection when `wanted` (a
-    config's swiglu_recompute). `fused`: whether the fused LoRA projection (speed.fuse_lora) ran,
+    config's swiglu_recompute). `fused`: whether the fused LoRA projection (fused_lora.fuse_lora) ran,
     which this builds on. Returns the ledger's line; raises ValueError when it cannot apply
     (load_model makes that a PreflightError)."""
     if not wanted:
