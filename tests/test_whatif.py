@@ -321,9 +321,25 @@ def whatif_cli(capsys):
     return call
 
 
-def test_presets_the_gpu_count_cannot_run_are_left_out_and_said(whatif_cli):
+def test_more_gpus_than_one_box_holds_are_refused(whatif_cli, tmp_path):
+    """The all-reduce is modelled as a ring over one box's link: 16 H100s are two HGX boards and a
+    network between them, which no entry describes. Refused, exit 2, for COUNTxKIND and a YAML."""
+    r = whatif_cli(ONE, "--gpus", "16xH100-sxm")
+    assert r.returncode == 2 and r.stdout == ""
+    assert ("--gpus '16xH100-sxm': 16 GPUs: whatif models one box of at most 8 (an HGX board holds 8); more would "
+            "cross a network between boxes") in r.stderr, r.stderr
+    own = tmp_path / "box.yaml"
+    own.write_text((ROOT / "src/tuneledger/hardware/H100-sxm.yaml").read_text() + "count: 9\n")
+    r = whatif_cli(ONE, "--gpus", str(own))
+    assert r.returncode == 2 and f"{own}: count: 9 GPUs: whatif models one box of at most 8" in r.stderr, r.stderr
+    assert whatif_cli(ONE, "--gpus", "8xH100-sxm").returncode == 0
+
+
+def test_presets_the_gpu_count_cannot_run_are_left_out_and_said(whatif_cli, monkeypatch):
     """16 GPUs run A (1 x 16) and D (capped to 1 x 16), not B or C (micro-batch 2 x 16 > 16): the two
-    are predicted, the others listed with why, as the presets the dry-run did not measure are."""
+    are predicted, the others listed with why, as the presets the dry-run did not measure are. (A
+    box of 16: with global batch 16, every count of at most 8 runs every preset.)"""
+    monkeypatch.setattr("tuneledger.hwtable.BOX_GPUS", 16)
     r = whatif_cli(ONE, "--gpus", "16xH100-sxm")
     assert r.returncode == 0, r.stderr
     for k in "BC":

@@ -194,7 +194,7 @@ def parse_gpus(spec: str) -> tuple[Hardware, int]:
     kinds and the YAML form for anything else."""
     if is_yaml(spec):
         hw, count = from_yaml(Path(spec), need_count=True)
-        return hw, int(count)
+        return hw, box_count(int(count), f"{spec}: count")
     m = re.fullmatch(r"(\d+)\s*[xX]\s*(.+)", spec.strip())
     if not m:
         raise unknown_kind("--gpus", spec, spec.strip(), "1")
@@ -202,7 +202,21 @@ def parse_gpus(spec: str) -> tuple[Hardware, int]:
     count = int(m.group(1))
     if count < 1:
         raise WhatifError(f"--gpus {spec!r}: the count must be at least 1")
-    return hw, count
+    return hw, box_count(count, f"--gpus {spec!r}")
+
+
+# GPUs in one box: an HGX board and the largest PCIe servers hold 8. The model's all-reduce is a
+# ring over one box's link (link_gbs); more GPUs than a box holds would cross a network between
+# boxes, for which no entry has a figure.
+BOX_GPUS = 8
+
+
+def box_count(count: int, where: str) -> int:
+    """`count` if one box holds that many GPUs (BOX_GPUS), else WhatifError naming `where`."""
+    if count > BOX_GPUS:
+        raise WhatifError(f"{where}: {count} GPUs: whatif models one box of at most {BOX_GPUS} (an HGX board holds 8); "
+                          "more would cross a network between boxes, whose bandwidth no hardware entry gives")
+    return count
 
 
 def source_kind(spec: str) -> Hardware:
