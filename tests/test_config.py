@@ -71,6 +71,14 @@ def test_parse_overrides_reads_yaml_scalars():
         parse_overrides(["novalue"])
 
 
+def test_a_key_given_twice_on_the_command_line_uses_the_last_and_says_so_once(capsys):
+    assert parse_overrides(["max_steps=5", "learning_rate=1e-4", "max_steps=10"])["max_steps"] == 10
+    assert parse_overrides(["max_steps=5", "max_steps=10"])["max_steps"] == 10  # the same pair again: said once
+    assert parse_overrides(["max_steps=10", "max_steps=10"])["max_steps"] == 10  # the same value twice: nothing to say
+    assert capsys.readouterr().err == ("note: max_steps is given twice on the command line ('5', then '10'): the last "
+                                       "one is used\n")
+
+
 def test_bad_values_name_the_key():
     with pytest.raises(ConfigError, match="per_device_train_batch_size: .*> 0"):
         load_config(REF, ["per_device_train_batch_size=0"])

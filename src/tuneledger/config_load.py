@@ -62,11 +62,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     `placeholders.name=Ledgerly` needs no quoting in a shell or a Makefile.
     """
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
+        if key in given and given[key] != raw:
+            # The last wins (make's variables come before ARGS, so ARGS can override them), but a key
+            # typed twice with two values is often a slip: say which value is used.
+            _note_once(f"note: {key} is given twice on the command line ({given[key]!r}, then {raw!r}): the last one is used")
+        given[key] = raw
         if "." in key:
             top, sub = key.split(".", 1)
             entry = out.setdefault(top, {})
@@ -76,6 +82,16 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         else:
             out[key] = _value(key, raw)
     return out
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    """`line` on stderr, once per process (a dry-run loads the config once per preset)."""
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 def suggest(key: str) -> str | None:
