@@ -164,7 +164,7 @@ def test_allocator_cache_is_not_memory_pressure():
     reserved by the caching allocator (packed batches of varying length fragment it), GPU 90%
     busy. The dry-run first called this memory-bound and advised GC on; the run needed half the
     GPU. The verdict reads allocated memory; the samples are that window's NVML rows."""
-    from tuneledger.dryrun import verdict
+    from tuneledger.dryrun_row import verdict
 
     row = {"window_utc": ["2026-11-30T03:14:41.968599+00:00", "2026-11-30T03:14:50.488185+00:00"],
            "memory_mib": [{"rank": 0, "gpu": "NVIDIA H200", "peak_allocated": 70908, "peak_reserved": 132762}],
@@ -190,7 +190,7 @@ def test_a_cpu_run_is_not_sent_to_the_gpu_monitor():
 
 
 def test_the_dryrun_passes_a_cpu_run_to_the_verdict():
-    from tuneledger.dryrun import verdict
+    from tuneledger.dryrun_row import verdict
 
     row = {"window_utc": ["2026-01-01T00:00:00+00:00", "2026-01-01T00:01:00+00:00"], "memory_mib": [{"peak_allocated": None}],
            "split": {"allreduce_s": 0.1, "sync_wait_s": 0.0, "data_wait_s": 0.0}, "s_per_step": 4.0,

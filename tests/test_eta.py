@@ -293,7 +293,7 @@ def test_the_finish_includes_the_final_adapter_copy_the_dry_run_timed(tmp_path, 
     """train copies the final adapter to the run's root after its last save (publish_final); the
     dry-run times that copy on its own checkpoint (checkpoints.time_publish), adds it to the
     predicted finish, and leaves nothing behind; a failed copy (a full disk) gives None, not a crash."""
-    from tuneledger import checkpoints, dryrun
+    from tuneledger import checkpoints, dryrun_row
     from tuneledger.config_load import load_config
 
     run = tmp_path / "dryrun" / "D"
@@ -315,22 +315,22 @@ def test_the_finish_includes_the_final_adapter_copy_the_dry_run_timed(tmp_path, 
     assert checkpoints.time_publish(run) is None and not (run / ".publish-probe").exists()
 
     seen = {}
-    monkeypatch.setattr(dryrun.eta_, "worker_parts", lambda r, a, b: {
+    monkeypatch.setattr(dryrun_row.eta_, "worker_parts", lambda r, a, b: {
         "launch_s": 1.0, "model_load_s": 1.0, "setup_s": 0.5, "save_s": [2.0], "finish_s": 1.25,
         "durations": [1.0, 1.0, 1.0, 1.0]})
-    monkeypatch.setattr(dryrun.eta_, "predict", lambda *a, **k: seen.update(finish=a[6], save=a[5]))
+    monkeypatch.setattr(dryrun_row.eta_, "predict", lambda *a, **k: seen.update(finish=a[6], save=a[5]))
     cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "dryrun_warmup_steps": 1})
     stats = {"steps_per_epoch": 10, "records": {"valid": 160}}
-    monkeypatch.setattr(dryrun.ledger, "total_steps", lambda st, c: 30)
+    monkeypatch.setattr(dryrun_row.ledger, "total_steps", lambda st, c: 30)
     result = {"launcher": {"t_launch": 0.0, "t_exit": 9.0, "publish_s": 0.75}, "model": {"levers": {}}}
-    dryrun.predict(cfg, result, stats, {})
+    dryrun_row.predict(cfg, result, stats, {})
     assert seen["finish"] == 2.0 and seen["save"] == 2.0
     result["launcher"]["publish_s"] = None  # no checkpoint, or the copy failed: the finish as measured
-    dryrun.predict(cfg, result, stats, {})
+    dryrun_row.predict(cfg, result, stats, {})
     assert seen["finish"] == 1.25
     # train's loss plot: the cold draw once (the finish), a later one per save
     result["plot_timing"] = {"first_s": 1.0, "next_s": 0.25}
-    dryrun.predict(cfg, result, stats, {})
+    dryrun_row.predict(cfg, result, stats, {})
     assert seen["finish"] == 2.25 and seen["save"] == 2.25
 
 

@@ -89,7 +89,7 @@ def loss_plot(log_history: list[dict], png: Path, title: str = "") -> Path | Non
 
 
 def dryrun_plot(rows: list[dict], png: Path, title: str = "") -> Path | None:
-    """The preset comparison of a dry-run ledger's rows (ledger.summarize_run + dryrun.entry):
+    """The preset comparison of a dry-run ledger's rows (ledger.summarize_run + dryrun_row.entry):
     left, aggregate tokens/s with a bar from the p10 to the p90 step time's rate (tokens per step /
     step time); right, peak allocated memory per rank (GiB; on CPU runs the peak resident memory)
     against a 24 GB card. None when no preset was measured."""
