@@ -235,7 +235,8 @@ def test_a_memory_bound_verdict_names_swiglu_recompute_before_checkpointing():
            "gradient_checkpointing": False}
     assert memory_levers(row) == ["swiglu_recompute=true"]
     assert memory_levers({**row, "gradient_checkpointing": True}) == []
-    assert memory_levers({**row, "config": {"swiglu_recompute": True}}) == []
+    ran = {"fused_lora": "on (196 projections)", "swiglu_recompute": "on (28 MLPs: h = silu(gate) x up remade in backward)"}
+    assert memory_levers({**row, "model": {"levers": ran}}) == []  # on (asked, or auto): nothing to name
     assert memory_levers({**row, "model": {"levers": {"fused_lora": "off"}}}) == []
     assert memory_levers({}) == []
     full = {"util_mean_pct": 96, "mem_peak_frac": 0.95, "allreduce_share": 0.0, "data_wait_share": 0.0,

@@ -98,31 +98,43 @@ def test_recomputed_swiglu_over_nf4(tiny_model):
     assert rel < NF4_TOL, (name, rel)
 
 
-def test_swiglu_recompute_is_refused_where_it_cannot_apply(tiny_model):
+def test_swiglu_recompute_is_refused_where_it_cannot_apply_and_auto_says_why_it_is_off(tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     assert swiglu.recompute_swiglu(_model(tiny_model, False), False, True) == "off"
-    with pytest.raises(ValueError, match="needs the fused LoRA projection"):
+    with pytest.raises(ValueError, match="swiglu_recompute: true, but it needs the fused LoRA projection"):
         swiglu.recompute_swiglu(_model(tiny_model, False), True, False)
+    assert swiglu.recompute_swiglu(_model(tiny_model, False), None, False) == \
+        "off (it needs the fused LoRA projection, which is off here)"
     m = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
                        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"], task_type="CAUSAL_LM"))
     fused_lora.fuse_lora(m, True)
     with pytest.raises(ValueError, match="needs LoRA on down_proj"):
         swiglu.recompute_swiglu(m, True, True)
+    assert swiglu.recompute_swiglu(m, None, True).startswith("off (it needs LoRA on down_proj")
+    # auto under checkpointing: off (the layer is remade anyway); asked for, it still runs
+    m = _model(tiny_model, False)  # fused
+    assert swiglu.recompute_swiglu(m, None, True, checkpointing=True) == \
+        "off (gradient checkpointing remakes the MLP's activations anyway)"
+    assert swiglu.recompute_swiglu(m, True, True, checkpointing=True).startswith("on (")
 
 
-def test_the_ledger_names_swiglu_recompute_only_when_asked(tiny_model):
+def test_swiglu_recompute_is_on_where_it_applies_unless_set_false(tiny_model):
     from tuneledger.config import ConfigError
     from tuneledger.model import PreflightError, load_model
 
-    base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4}
-    assert "swiglu_recompute" not in load_model(load_config(None, base), "cpu")[1]["levers"]
-    model, info = load_model(load_config(None, {**base, "swiglu_recompute": True}), "cpu")
+    base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4, "gradient_checkpointing": False}
+    model, info = load_model(load_config(None, base), "cpu")
     assert info["levers"]["swiglu_recompute"].startswith(f"on ({model.config.num_hidden_layers} MLPs")
+    assert load_model(load_config(None, {**base, "swiglu_recompute": False}), "cpu")[1]["levers"]["swiglu_recompute"] == "off"
+    assert load_model(load_config(None, {**base, "gradient_checkpointing": True}), "cpu")[1]["levers"][
+        "swiglu_recompute"].startswith("off (gradient checkpointing")
+    assert load_model(load_config(None, {**base, "fused_lora": False}), "cpu")[1]["levers"][
+        "swiglu_recompute"].startswith("off (it needs the fused LoRA projection")
     with pytest.raises(ConfigError, match="swiglu_recompute: true needs the fused LoRA projection"):
         load_config(None, {**base, "swiglu_recompute": True, "fused_lora": False})  # refused as it loads
-    with pytest.raises(PreflightError, match="swiglu_recompute: true needs the fused LoRA projection"):
+    with pytest.raises(PreflightError, match="swiglu_recompute: true, but it needs the fused LoRA projection"):
         load_model(load_config(None, {**base, "swiglu_recompute": True}).model_copy(update={"fused_lora": False}), "cpu")
 
 

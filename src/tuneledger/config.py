@@ -82,9 +82,11 @@ class JobConfig(BaseModel):
     # alone exact: trainer.padding_mask_lever), so SDPA runs its flash kernel. Off until measured
     drop_padding_mask: bool = False
     # the MLP's down_proj input silu(gate) x up remade in backward from gate and up, not kept
-    # (swiglu.py): T x intermediate values per layer less memory without checkpointing (about
-    # 1.5 GiB on preset C), one elementwise pass more. Off until measured on a GPU; needs fused_lora
-    swiglu_recompute: bool = False
+    # (swiglu.py): T x intermediate values per layer less memory without checkpointing. On an H100:
+    # C 17.2 -> 15.2 GiB for 0.5% of the mean step, D 33.3 -> 27.7 GiB for 1.0%, the same losses
+    # (bench/results/h100-2026-12-06-call1, -call2). null: on where it applies (fused LoRA, a
+    # SwiGLU MLP with LoRA on down_proj, checkpointing off: with it on, the layer is remade anyway)
+    swiglu_recompute: bool | None = None
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

@@ -221,11 +221,12 @@ def _host_lever(mb: Any, gc: Any, mem_note: str, untried: list[str] | None = Non
 
 
 def memory_levers(row: dict) -> list[str]:
-    """The opt-in memory levers (docs/speed.md) that a dry-run row ran without and could take, as
+    """The memory levers (docs/speed.md) that a dry-run row ran without and could take, as
     "key=true": swiglu_recompute where the LoRA projections are fused and checkpointing is off
-    (with it on, a layer's activations are remade anyway). [] when none."""
-    cfg, levers = row.get("config") or {}, (row.get("model") or {}).get("levers") or {}
-    if (not cfg.get("swiglu_recompute") and row.get("gradient_checkpointing") is False
+    (with it on, a layer's activations are remade anyway) but it did not run (set false, or a
+    ledger from before it was on where it applies). [] when none."""
+    levers = (row.get("model") or {}).get("levers") or {}
+    if (not str(levers.get("swiglu_recompute", "")).startswith("on") and row.get("gradient_checkpointing") is False
             and str(levers.get("fused_lora", "")).startswith("on")):
         return ["swiglu_recompute=true"]
     return []

@@ -203,8 +203,8 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     if wanted["grouped_lora"]:  # the ledger line names it only when asked for (default off, not yet measured)
         levers["grouped_lora"] = _lever(grouped.group_lora, model, True, levers["fused_lora"].startswith("on"),
                                         cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))
-    if cfg.swiglu_recompute:  # named only when asked for (default off, not yet measured)
-        levers["swiglu_recompute"] = _lever(swiglu.recompute_swiglu, model, True, levers["fused_lora"].startswith("on"))
+    levers["swiglu_recompute"] = _lever(swiglu.recompute_swiglu, model, cfg.swiglu_recompute,
+                                        levers["fused_lora"].startswith("on"), cfg.gradient_checkpointing)
     if cfg.absmax_once:  # named only when asked for (default off, not yet measured)
         levers["absmax_once"] = nf4.absmax_once(model, True, cfg.sharded)
     levers["compile"] = _lever(compiled.compile_layers, model, wanted["torch_compile"], device.type,

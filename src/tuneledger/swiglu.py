@@ -78,25 +78,31 @@ def swiglu_mlps(model: Any) -> list:
             if all(hasattr(m, k) for k in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(m, "act_fn", None))]
 
 
-def recompute_swiglu(model: Any, wanted: bool, fused: bool) -> str:
-    """Route every SwiGLU MLP of a peft model through SwiGLUDownProjection when `wanted` (a
-    config's swiglu_recompute). `fused`: whether the fused LoRA projection (fused_lora.fuse_lora) ran,
-    which this builds on. Returns the ledger's line; raises ValueError when it cannot apply
-    (load_model makes that a PreflightError)."""
-    if not wanted:
+def recompute_swiglu(model: Any, wanted: bool | None, fused: bool, checkpointing: bool = False) -> str:
+    """Route every SwiGLU MLP of a peft model through SwiGLUDownProjection. `wanted`: the config's
+    swiglu_recompute, True, False or None (on where it applies, and not under gradient
+    checkpointing, which remakes the layer's activations anyway: `checkpointing`). `fused`: whether
+    the fused LoRA projection (fused_lora.fuse_lora) ran, which this builds on. Returns the
+    ledger's line; raises ValueError when True cannot apply (load_model makes that a PreflightError)."""
+    if wanted is False:
         return "off"
-    if not fused:
-        raise ValueError("swiglu_recompute: true needs the fused LoRA projection, which is off here; unset fused_lora "
-                         "(on where it applies) or set swiglu_recompute=false")
     mlps = swiglu_mlps(model)
-    if not mlps:
-        raise ValueError("swiglu_recompute: true, but the model has no SwiGLU MLP (gate_proj, up_proj, down_proj and a "
-                         "SiLU act_fn); set swiglu_recompute=false")
     from peft.tuners.lora import LoraLayer
 
-    if not all(isinstance(m.down_proj, LoraLayer) for m in mlps):
-        raise ValueError("swiglu_recompute: true needs LoRA on down_proj (lora_target all, or naming down_proj); "
-                         "set swiglu_recompute=false")
+    if not fused:
+        why = "it needs the fused LoRA projection, which is off here"
+    elif not mlps:
+        why = "the model has no SwiGLU MLP (gate_proj, up_proj, down_proj and a SiLU act_fn)"
+    elif not all(isinstance(m.down_proj, LoraLayer) for m in mlps):
+        why = "it needs LoRA on down_proj (lora_target all, or naming down_proj)"
+    else:
+        why = None
+    if why and wanted:
+        raise ValueError(f"swiglu_recompute: true, but {why}; set swiglu_recompute=false (or unset it: on where it applies)")
+    if why:
+        return f"off ({why})"
+    if wanted is None and checkpointing:
+        return "off (gradient checkpointing remakes the MLP's activations anyway)"
     for m in mlps:
         m.forward = types.MethodType(_recomputing_forward, m)
     return f"on ({len(mlps)} MLPs: h = silu(gate) x up remade in backward, not kept)"
