@@ -138,7 +138,7 @@ endif
 # are stripped (no runs of blanks in make's echo where a variable is unset), all but ARGS,
 # QUANT_ARGS and PROMPT, appended as given: a value there may hold blanks.
 OVERRIDES := $(MODEL_OVERRIDE) \
-	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),run_name=$(RUN)) \
+	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),$(if $(findstring /,$(RUN)),output_dir=$(RUN) run_name=$(notdir $(patsubst %/,%,$(RUN))),run_name=$(RUN))) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS))
 WITH_ARGS = $(if $(ARGS), $(ARGS))
 WITH_QUANT_ARGS = $(if $(QUANT_ARGS), $(QUANT_ARGS))

@@ -135,8 +135,11 @@ def _sigterm_when(args, log_path, text, signum=signal.SIGTERM):
     """Start a CPU dry-run, SIGTERM its launcher once `text` is in its output (SIGINT: to its whole
     process group, as Ctrl-C in a terminal does); returns (rc, output)."""
     with open(log_path, "w") as log:
+        # A terminal's process has Ctrl-C's default; a shell's background job (`make test &`, how a
+        # harness may run this) inherits SIGINT ignored, which Python, rightly, keeps ignoring.
         proc = subprocess.Popen([sys.executable, "-m", "tuneledger", "dryrun", *args], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + (procs.TIMEOUT_S or 3600)
         while text not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:

@@ -279,7 +279,8 @@ def test_a_disk_that_fills_during_a_dryrun_preset_is_said_once_and_keeps_the_ear
     first = tl(*dry)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     ledger, result = (run / "dryrun.json").read_text(), (run / "dryrun" / "A" / "result.json").read_text()
-    launcher = start(*dry, out=tmp_path / "out")
+    # The second dry-run measures every preset: the first one meets the full disk, the others are not run.
+    launcher = start(*[a if a != "A" else "all" for a in dry], out=tmp_path / "out")
     try:
         # Another writer fills the disk while the preset runs (its ranks paused), before its timed save.
         wait_for(lambda: (run / "dryrun.log.1").exists() and (run / "dryrun.log").exists()
@@ -298,7 +299,9 @@ def test_a_disk_that_fills_during_a_dryrun_preset_is_said_once_and_keeps_the_ear
     out = (tmp_path / "out").read_text()
     assert rc == 1, out[-3000:]
     assert "Traceback" not in out, out[-4000:]  # the ranks' and torchrun's tracebacks are one line each
-    assert "preset A: the disk is full (the worker error above)" in out and "worker error: DiskFullError: " in out
+    # (global batch 2 on 2 ranks: presets A and D run, B and C are skipped as they plan)
+    assert "preset A: the disk is full (the worker error above); D after it is not measured" in out, out[-3000:]
+    assert "worker error: DiskFullError: " in out and out.count("=== [") == 1  # one preset ran
     last = [line for line in out.splitlines() if line.strip()][-1]
     assert last.startswith("tuneledger dryrun: disk full: "), last
     # What the first dry-run left is all there: its ledger, the preset's result, its log.

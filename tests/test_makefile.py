@@ -85,6 +85,25 @@ def test_user_data_folder_is_ignored_by_git():
     assert p.returncode == 0  # data/ (DATA_DIR's default) never gets committed by accident
 
 
+def test_run_as_a_path_is_the_same_folder_for_the_verbs_that_write_and_those_that_read():
+    """RUN=/data/x: train wrote runs//data/x (run_name=/data/x) while export read /data/x. Now the
+    writing verbs get output_dir=RUN (and its last part as the run name); a name stays a name."""
+    for verb in ("stats", "dryrun", "train"):
+        line = verb_line(make_n(verb, "RUN=/data/x/", "LOCAL=1").stdout, verb)
+        assert "output_dir=/data/x/ run_name=x" in line and "run_name=/data" not in line, line
+        assert "run_name=my-run" in verb_line(make_n(verb, "RUN=my-run", "LOCAL=1").stdout, verb)
+    assert "--adapter /data/x" in verb_line(make_n("export", "RUN=/data/x", "LOCAL=1").stdout, "export")
+
+
+def test_a_run_name_that_is_a_path_is_refused():
+    from tuneledger.config import ConfigError
+    from tuneledger.config_load import load_config
+
+    for bad in ("/tmp/x", "a/b", "..", " "):
+        with pytest.raises(ConfigError, match="is not a folder name: a run name is one folder under runs/"):
+            load_config(None, {"model_name_or_path": "m", "dataset": ["d.json"], "run_name": bad})
+
+
 def test_export_chat_eval_reach_a_run_by_path_or_config(tmp_path):
     """RUN is a path when it holds a /, else runs/RUN; without RUN the verb reads CONFIG itself
     (its adapter_name_or_path / output_dir), and QUANT follows export_dir."""

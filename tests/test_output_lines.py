@@ -149,7 +149,7 @@ def test_a_preset_that_meets_a_full_disk_stops_the_dryrun_and_names_the_rest(mon
                            "log", rows, {})
     out = capsys.readouterr().out
     assert ran == ["A"]  # B and C would meet the same disk after their model load
-    assert "preset A: the disk is full (the worker error above); the presets after it are not measured" in out
+    assert "preset A: the disk is full (the worker error above); B, C after it are not measured" in out
     assert rows == [{"preset": "A", "skipped": f"disk full: {full}"},
                     {"preset": "B", "skipped": "not measured: the disk was full"},
                     {"preset": "C", "skipped": "not measured: the disk was full"}]

@@ -169,6 +169,15 @@ class JobConfig(BaseModel):
         # transformers does not expand ~; a hub id never starts with it.
         return os.path.expanduser(v) if v.startswith("~") else v
 
+    @field_validator("run_name")
+    @classmethod
+    def _a_name_not_a_path(cls, v: str) -> str:
+        # runs/<run_name>: a path here would land under runs/ (runs/tmp/x for /tmp/x), not where meant.
+        if not v.strip() or "/" in v or v in (".", ".."):
+            raise ValueError(f"{v!r} is not a folder name: a run name is one folder under runs/; give a path as "
+                             "output_dir=<path> (make: RUN=<path> does that)")
+        return v
+
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _split_datasets(cls, v: Any) -> Any:

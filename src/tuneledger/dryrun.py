@@ -158,9 +158,12 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
         ended = datetime.now(timezone.utc)
         if full:
             # The presets after it would meet the same full disk after their model load: say it once.
-            print(f"preset {name}: the disk is full (the worker error above); the presets after it are not measured", flush=True)
+            later = runnable[index:]
+            print(f"preset {name}: the disk is full (the worker error above)"
+                  + (f"; {', '.join(later)} after it {'is' if len(later) == 1 else 'are'} not measured" if later else ""),
+                  flush=True)
             rows.append({"preset": name, "skipped": f"disk full: {full}"})
-            rows += [{"preset": n, "skipped": "not measured: the disk was full"} for n in runnable[index:]]
+            rows += [{"preset": n, "skipped": "not measured: the disk was full"} for n in later]
             return
         if result is None:
             print(f"preset {name}: worker failed (exit {rc}); see {log}")
@@ -286,20 +289,22 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
     # A stopped command's code (docs/runs-and-output.md): 143 for SIGTERM, 130 for Ctrl-C, as a shell reports them.
-    rc = 143 if stopped.startswith("terminated") else 130 if stopped == "interrupted" else 0 if done else 1
+    # A full disk stopped the presets: a failed command, whatever was measured before it.
+    full = next((r["preset"] for r in rows if str(r.get("skipped", "")).startswith("disk full")), None)
+    rc = 143 if stopped.startswith("terminated") else 130 if stopped == "interrupted" else 0 if done and not full else 1
     if stopped:
         rows += [{"preset": n, "skipped": stopped} for n in names if n not in {r["preset"] for r in rows}]
         if not done and (out_root / "dryrun.json").exists():  # an earlier, whole ledger is worth more than none
             print(f"\n{stopped}: no preset finished; {out_root / 'dryrun.json'} is left as it was", flush=True)
             return rc
         print(f"\n{stopped}: writing the ledger of the presets measured so far", flush=True)
-    elif not done and (out_root / "dryrun.json").exists() and nodes.first:
-        # Every preset failed (each said why above): the earlier, whole ledger stays; this run's
-        # rows go beside it, so a fix can be checked against them.
+    elif (not done or full) and (out_root / "dryrun.json").exists() and nodes.first:
+        # Every preset failed, or the disk filled (each said why above): the earlier, whole ledger
+        # stays; this run's rows go beside it, so a fix can be checked against them.
         failed = out_root / "dryrun.failed.json"
         write_text_atomic(failed, json.dumps({"presets": rows}, indent=1, ensure_ascii=False, default=str))
-        print(f"\nno preset was measured; {out_root / 'dryrun.json'} is left as it was, this run's failures are in {failed}",
-              flush=True)
+        what = f"the disk filled during preset {full}" if full else "no preset was measured"
+        print(f"\n{what}; {out_root / 'dryrun.json'} is left as it was, this run's rows are in {failed}", flush=True)
         return rc
     if not nodes.first:
         print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
@@ -329,6 +334,9 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     print_table(led)
     wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
     print(f"wrote {', '.join(map(str, wrote))} and {log}")
+    if full:
+        print(f"the disk filled during preset {full}: the ledger holds the presets measured before it; free space "
+              "(`df -h`) and run the same command again", flush=True)
     print(f"dry-run: {eta_.took(eta_.process_age_s())}")  # held against the shell's `time`, as train's is
     return rc
 
