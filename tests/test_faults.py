@@ -491,6 +491,25 @@ def test_a_presets_earlier_result_is_kept_until_its_new_run_succeeds(tmp_path, m
     assert not (tmp_path / "dryrun" / "A.earlier").exists()
 
 
+@pytest.mark.parametrize("error", [
+    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"),
+    Exception("No space left on device (os error 28)"),  # a tokenizer's save (the Rust tokenizers)
+])
+def test_a_full_disk_in_a_librarys_own_error_type_is_one_line_too(monkeypatch, capsys, error):
+    """safetensors and tokenizers raise their own types on a full disk (a trial's `export`
+    printed 20 lines of traceback): the verb ends with the same one line, exit 1."""
+    from tuneledger import cli, export
+
+    def full(args):
+        raise error
+
+    monkeypatch.setattr(export, "run", full)
+    assert cli.main(["export", "runs/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tuneledger export: disk full: ") and "then run the same command again" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, tmp_path):
     from tuneledger.preflight_checks import check_disk, checkpoint_bytes, checkpoint_estimate, tokenizer_bytes
     from tuneledger.model import read_model_config

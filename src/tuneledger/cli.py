@@ -121,18 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(e, "exit_code", 1)
     except KeyboardInterrupt:
         return 130
-    except OSError as e:
+    except Exception as e:
         from tuneledger.files import disk_full
 
-        if not disk_full(e):
-            raise
-        # A full disk at any file operation (a lock, a job file, a ledger) is the user's to fix:
-        # one line naming it, not a traceback. Saves name their checkpoint (guards.DiskFullError).
-        where = getattr(e, "filename", None)
-        print(f"tuneledger {args.verb}: disk full: {e}. Free space{f' on the filesystem of {where}' if where else ''} "
-              "(`df -h`), then run the same command again", file=sys.stderr)
-        return 1
-    except Exception as e:
+        if disk_full(e):
+            # A full disk at any file operation (a lock, a job file, a ledger, safetensors' or a
+            # tokenizer's own writes, which raise their own types) is the user's to fix: one line
+            # naming it, not a traceback. Saves name their checkpoint (guards.DiskFullError).
+            where = getattr(e, "filename", None)
+            print(f"tuneledger {args.verb}: disk full: {e}. Free space{f' on the filesystem of {where}' if where else ''} "
+                  "(`df -h`), then run the same command again", file=sys.stderr)
+            return 1
         # A DataError can only come from tuneledger.data once imported; importing it here would
         # load numpy and the tokenizer code for `--help` and config errors too.
         data = sys.modules.get("tuneledger.data")
@@ -140,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tuneledger {args.verb}: {e}", file=sys.stderr)
         return BAD_INPUT
-
 
 if __name__ == "__main__":
     sys.exit(main())
