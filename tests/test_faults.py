@@ -510,6 +510,57 @@ def test_a_full_disk_in_a_librarys_own_error_type_is_one_line_too(monkeypatch, c
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_presets_earlier_result_survives_a_stop_and_a_kill_9(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM mid-preset puts the earlier folder back at once; a kill -9 leaves it as
+    `<preset>.earlier`, which the next run puts back before it sets the folder aside again (a trial
+    lost it: the second stopped run renamed its empty folder over it)."""
+    import tuneledger.dryrun as dryrun
+    from tuneledger.config import resolve
+
+    cfg = resolve(load_config(None, {"model_name_or_path": "m", "dataset": ["d.json"], "quantization_bit": None,
+                                     "preset": "A"}), 2)
+    dry = tmp_path / "dryrun"
+    (dry / "A").mkdir(parents=True)
+    (dry / "A" / "result.json").write_text('{"earlier": true}')
+
+    def stopped(job, job_path, *a, **kw):
+        job_path.parent.mkdir(parents=True, exist_ok=True)
+        job_path.write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dryrun, "run_workers", stopped)
+    for _ in range(2):  # stopped twice in a row: the earlier result is still there
+        with pytest.raises(KeyboardInterrupt):
+            dryrun.run_one(cfg, tmp_path / "prep", 2, True, tmp_path, tmp_path / "dryrun.log")
+        assert json.loads((dry / "A" / "result.json").read_text()) == {"earlier": True}
+        assert (dry / "A.failed" / "job.json").exists() and not (dry / "A.earlier").exists()
+    # a kill -9 mid-preset: the earlier folder set aside, the new one without a result
+    (dry / "A").rename(dry / "A.earlier")
+    (dry / "A").mkdir()
+    (dry / "A" / "job.json").write_text("{}")
+
+    def fails(job, job_path, *a, outcome, **kw):
+        job_path.parent.mkdir(parents=True, exist_ok=True)
+        job_path.write_text("{}")
+        outcome["causes"] = []
+        return 1
+
+    monkeypatch.setattr(dryrun, "run_workers", fails)
+    assert dryrun.run_one(cfg, tmp_path / "prep", 2, True, tmp_path, tmp_path / "dryrun.log")[1] is None
+    assert json.loads((dry / "A" / "result.json").read_text()) == {"earlier": True}
+
+    def works(job, job_path, *a, outcome, **kw):
+        job_path.parent.mkdir(parents=True, exist_ok=True)
+        Path(job["result_path"]).write_text("{}")
+        outcome["causes"] = []
+        return 0
+
+    monkeypatch.setattr(dryrun, "run_workers", works)
+    monkeypatch.setattr(dryrun, "time_publish", lambda d: 0.0)
+    dryrun.run_one(cfg, tmp_path / "prep", 2, True, tmp_path, tmp_path / "dryrun.log")
+    assert sorted(p.name for p in dry.iterdir()) == ["A"]  # measured: no .earlier, no .failed left
+
+
 def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, tmp_path):
     from tuneledger.preflight_checks import check_disk, checkpoint_bytes, checkpoint_estimate, tokenizer_bytes
     from tuneledger.model import read_model_config

@@ -64,12 +64,15 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     (progress.StepProgress). With `stats`, the worker replays the real run's steps (its first ones,
     then some across the run); the result gets the launcher's start and exit times (`launcher`)
     for the ETA's parts. The preset's earlier folder (its result.json) is kept until this run has
-    succeeded; a failed run's folder is left beside it as `<preset>.failed`.
+    succeeded, also through Ctrl-C, SIGTERM or (at the next run) a kill -9; a failed run's folder
+    is left beside it as `<preset>.failed` until the preset is measured again.
     """
     name = f"{cfg.preset}{'-cap' if cap_gib else ''}"
     run_dir = out_root / "dryrun" / name
-    earlier = run_dir.with_name(f"{name}.earlier")
+    earlier, failed = run_dir.with_name(f"{name}.earlier"), run_dir.with_name(f"{name}.failed")
     if nodes.first:
+        if earlier.exists() and not (run_dir / "result.json").exists():
+            _put_back(earlier, run_dir, failed)  # a run killed (-9) mid-preset left its earlier result aside
         shutil.rmtree(earlier, ignore_errors=True)
         if run_dir.exists():
             run_dir.rename(earlier)  # a rename: it needs no room on a full disk
@@ -83,7 +86,12 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
         job.update(total_steps=ledger.total_steps(stats, cfg), steps_per_epoch=stats["steps_per_epoch"])
     t_launch = time.time()
     outcome: dict = {}
-    rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}", outcome=outcome)
+    try:
+        rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}", outcome=outcome)
+    except BaseException:  # Ctrl-C or SIGTERM mid-preset: the earlier result goes back where it was
+        if nodes.first and earlier.exists():
+            _put_back(earlier, run_dir, failed)
+        raise
     t_exit = time.time()
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
     if result is not None:
@@ -93,15 +101,21 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
         shutil.rmtree(ckpt, ignore_errors=True)
     oom = any(run_dir.glob("oom-rank*.json"))
     if nodes.first and result is None and earlier.exists():
-        failed = run_dir.with_name(f"{name}.failed")
-        shutil.rmtree(failed, ignore_errors=True)
-        if run_dir.exists():
-            run_dir.rename(failed)
-        earlier.rename(run_dir)
-    elif nodes.first:
+        _put_back(earlier, run_dir, failed)
+    elif nodes.first and result is not None:
         shutil.rmtree(earlier, ignore_errors=True)
+        shutil.rmtree(failed, ignore_errors=True)  # an older failure, now measured
     full = next((c for c in outcome.get("causes") or [] if says_disk_full(c)), None)
     return rc, result, oom, full
+
+
+def _put_back(earlier: Path, run_dir: Path, failed: Path) -> None:
+    """The preset's earlier folder back at `run_dir`; what a failed or stopped run left there goes
+    to `failed` (replacing an older one). Renames only: a full disk allows them."""
+    shutil.rmtree(failed, ignore_errors=True)
+    if run_dir.exists():
+        run_dir.rename(failed)
+    earlier.rename(run_dir)
 
 
 def plan(items: list[str], names: list[str], world: int, device_type: str = "cuda") -> list[tuple[str, JobConfig | ConfigError]]:
