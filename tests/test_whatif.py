@@ -4,6 +4,7 @@ input through the command line. No GPU, no torch: seconds."""
 
 import argparse
 import json
+import re
 import math
 import os
 import subprocess
@@ -193,7 +194,7 @@ def test_a_bad_yaml_and_a_bad_ledger_are_named(tmp_path):
     bad = tmp_path / "my.yaml"
     bad.write_text("name: x\ngpu: y\ncount: 2\nbf16_tflops: fast\n")
     r = tuneledger(str(SCALING / "dryrun-1gpu.json"), "--gpus", str(bad))
-    assert r.returncode == 2 and f"{bad}:4: bf16_tflops: 'fast' is not a number" in r.stderr
+    assert r.returncode == 2 and f"{bad}:4: bf16_tflops: 'fast' is not a finite number above 0" in r.stderr
     bad.write_text("name: x\ngpu: y\ncount: 2\n")
     assert cli_rc(["whatif", str(SCALING / "dryrun-1gpu.json"), "--gpus", str(bad)]) == 2
     broken = tmp_path / "dryrun.json"
@@ -203,6 +204,27 @@ def test_a_bad_yaml_and_a_bad_ledger_are_named(tmp_path):
     cpu = tmp_path / "cpu.json"
     cpu.write_text(json.dumps({"backend": "gloo", "gpu": None, "presets": [{"preset": "D"}]}))
     assert cli_rc(["whatif", str(cpu), "--gpus", "1xH200-sxm"]) == 2
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("memory_gbs", ".nan", "memory_gbs: nan is not a finite number above 0"),  # was a traceback
+    ("bf16_tflops", ".inf", "bf16_tflops: inf is not a finite number above 0"),  # was a prediction at inf TFLOP/s
+    ("memory_gb", "0.5", "memory_gb: 0.5 leaves no memory for a job"),  # was "-0.5 GiB usable"
+    ("allreduce_efficiency", "1.5", "allreduce_efficiency: 1.5 is not a finite number (0, 1]"),
+    ("host_speed", "1e9", None),  # YAML 1.1 reads it as text; it is a number
+])
+def test_hardware_figures_must_be_finite_and_leave_memory(tmp_path, field, value, says):
+    from tuneledger.hwtable import WhatifError, from_yaml
+
+    own = tmp_path / "box.yaml"
+    lines = [ln for ln in (ROOT / "src/tuneledger/hardware/H100-sxm.yaml").read_text().splitlines()
+             if not ln.startswith(f"{field}:")]
+    own.write_text("\n".join(lines) + f"\n{field}: {value}\n")
+    if says is None:
+        assert from_yaml(own)[0].host_speed == 1e9
+        return
+    with pytest.raises(WhatifError, match=f"{own}:{len(lines) + 1}: " + re.escape(says)):
+        from_yaml(own)
 
 
 def test_a_binary_ledger_and_a_hardware_field_given_twice_are_bad_input(tmp_path, capsys):
@@ -413,6 +435,9 @@ def test_source_gpu_shares_the_gpu_lookup_and_its_error(whatif_cli):
     assert r.returncode == 2 and "Did you mean H200-sxm?" in r.stderr
     r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--source-gpu", "h200-SXM", "--preset", "A")
     assert r.returncode == 0, r.stderr
+    # another known card than the ledger's: every figure would be off by their peaks' ratio
+    r = whatif_cli(ONE, "--gpus", "8x4090-pcie", "--source-gpu", "4090-pcie")
+    assert r.returncode == 2 and "the ledger was measured on 'NVIDIA H200', which the table knows as H200-sxm" in r.stderr
 
 
 def test_an_unknown_preset_lists_the_ledgers_and_only_f_gets_the_fsdp_remark(tmp_path, whatif_cli):

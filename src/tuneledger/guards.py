@@ -78,8 +78,18 @@ class SealCheckpoint(TrainerCallback):
 
         if dist.is_initialized():
             dist.barrier()  # every rank's rng_state_N.pth is written before the manifest lists it
-        if not state.is_world_process_zero:
-            return
+        if state.is_world_process_zero:
+            self._seal(args, state, kw)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank knows the last good checkpoint, so a rank that meets a full disk at the next
+            # save says what rank 0 would (a trial's rank 1 said "no checkpoint was saved" while rank 0
+            # said checkpoint-10 was kept). One small broadcast per save.
+            shared = [str(self.good) if self.good else None, self.bytes]
+            dist.broadcast_object_list(shared, src=0)
+            self.good, self.bytes = (Path(shared[0]) if shared[0] else None), shared[1]
+
+    def _seal(self, args, state, kw) -> None:
+        """Rank 0: seal the checkpoint just saved, then rotate (see the class)."""
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if not ckpt.is_dir():
             return

@@ -14,6 +14,7 @@ Bad input raises WhatifError naming the file, its line and the field (the verb e
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -120,10 +121,20 @@ def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | Non
             raise WhatifError(f"{path}: missing field {k} ({meaning}); the form is:\n{YAML_FORM}")
         v = data[k]
         if low is not None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= low or (k == "allreduce_efficiency" and v > 1):
-                raise WhatifError(f"{at(k)}: {k}: {v!r} is not a number in range ({meaning})")
+            if isinstance(v, str):  # YAML 1.1 reads 1e9 (no dot) as text; it is a number all the same
+                try:
+                    v = float(v)
+                except ValueError:
+                    pass
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= low or (
+                    k == "allreduce_efficiency" and v > 1):
+                bound = "(0, 1]" if k == "allreduce_efficiency" else f"above {low:g}" if low >= 0 else ">= 0"
+                raise WhatifError(f"{at(k)}: {k}: {data[k]!r} is not a finite number {bound} ({meaning})")
             v = float(v)
         values[k] = str(v) if low is None else v
+    if values["memory_gb"] <= 1.0:
+        raise WhatifError(f"{at('memory_gb')}: memory_gb: {data['memory_gb']!r} leaves no memory for a job: 1 GiB of a "
+                          "card is kept for CUDA's context (usable = memory_gb - 1)")
     count = data.get("count")
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise WhatifError(f"{at('count')}: count: {count!r} is not a whole number of GPUs >= 1")

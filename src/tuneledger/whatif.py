@@ -40,7 +40,7 @@ from pathlib import Path
 from tuneledger import costmodel as cm
 from tuneledger.eta import STARTUP, n_saves
 from tuneledger.files import disk_full, write_text_atomic
-from tuneledger.hwtable import Hardware, WhatifError, for_ledger_gpu, known_line, parse_gpus, source_kind
+from tuneledger.hwtable import Hardware, WhatifError, for_ledger_gpu, is_yaml, known_line, parse_gpus, source_kind
 from tuneledger.ledger import fmt_h
 from tuneledger.words import plural
 
@@ -99,7 +99,18 @@ def source_gpu(led: dict, spec: str | None) -> Hardware:
     """The measured GPU's entry: --source-gpu's (a kind or a YAML, as --gpus reads them), else the
     table's entry for the ledger's GPU name. Raises WhatifError."""
     if spec:
-        return source_kind(spec)
+        hw = source_kind(spec)
+        known = for_ledger_gpu(led["gpu"])
+        if known is not None and known.name != hw.name:
+            # The calibration divides the ledger's measured TFLOP/s by this entry's peak: another
+            # card's peak makes every prediction wrong by their ratio (a trial got "480% of the datasheet's").
+            why = f"the ledger was measured on {led['gpu']!r}, which the table knows as {known.name}"
+            if not is_yaml(spec):
+                raise WhatifError(f"--source-gpu {spec}: {why}; --source-gpu is for a GPU the table does not know, or "
+                                  "a YAML of your own figures for it (leave it out here)")
+            print(f"WARNING: --source-gpu {spec}: {why}; the prediction uses your file's figures for it",
+                  file=sys.stderr, flush=True)
+        return hw
     hw = for_ledger_gpu(led["gpu"])
     if hw is None:
         raise WhatifError(f"the ledger's GPU {led['gpu']!r} is not in the table; say which it is with --source-gpu. {known_line()}")
