@@ -800,3 +800,18 @@ def test_export_and_chat_load_only_checkpoints_that_verify(tmp_path, capsys):
     ck.write_manifest(good, 2, {"loss": 1.0, "grad_norm": 1.0, "max_abs_weight": 1e30, "finite_weights": True})
     with pytest.raises(LoadError, match="no checkpoint of .* verifies: .*checkpoint-2: .*not good"):
         find_checkpoint(run)
+
+
+def test_a_resumed_run_saves_and_logs_at_the_commands_intervals_not_the_checkpoints():
+    """transformers restores save/logging/eval steps from the checkpoint's trainer_state.json; a
+    trial's resume with save_steps=2 kept saving every 5. StepsFromArgs puts the command's back
+    when training begins (after the state is loaded); a fraction is of max_steps."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from tuneledger.trainer import StepsFromArgs
+
+    state = TrainerState(max_steps=40, save_steps=5, logging_steps=10, eval_steps=5)  # as the checkpoint had them
+    StepsFromArgs().on_train_begin(SimpleNamespace(save_steps=2, logging_steps=0.1, eval_steps=None), state, None)
+    assert (state.save_steps, state.logging_steps, state.eval_steps) == (2, 4, 5)

@@ -6,6 +6,7 @@ collator (padded, or packed without cross-sample attention) and a job's Training
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import sys
@@ -46,6 +47,7 @@ class LedgerTrainer(Trainer):
         self.step_losses: list[torch.Tensor] = []  # each step's loss on this rank (no sync)
         self._log_tokens, self._log_time, self._log_step = 0, time.perf_counter(), 0
         self.add_callback(TokenSnapshot(self))
+        self.add_callback(StepsFromArgs())
 
     def _get_train_sampler(self, train_dataset=None):
         if self.replay:
@@ -179,6 +181,19 @@ class LedgerTrainer(Trainer):
                 logs["eta_h"] = round(left * per_step / 3600, 3)
             self._log_tokens, self._log_time, self._log_step = seen, now, self.state.global_step
         super().log(logs, *args, **kw)
+
+
+class StepsFromArgs(TrainerCallback):
+    """A resumed run's logging, eval and save intervals are the command's, not its checkpoint's:
+    transformers takes them from the checkpoint's trainer_state.json (a trial's `save_steps=2`
+    resumed saving every 5, after a line that said every 2). A fraction (< 1) is of max_steps,
+    as transformers reads it."""
+
+    def on_train_begin(self, args, state, control, **kw):
+        for key in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(args, key, None)
+            if value:
+                setattr(state, key, math.ceil(state.max_steps * value) if value < 1 else int(value))
 
 
 class LogLastStep(TrainerCallback):
