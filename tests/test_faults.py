@@ -815,3 +815,14 @@ def test_a_resumed_run_saves_and_logs_at_the_commands_intervals_not_the_checkpoi
     state = TrainerState(max_steps=40, save_steps=5, logging_steps=10, eval_steps=5)  # as the checkpoint had them
     StepsFromArgs().on_train_begin(SimpleNamespace(save_steps=2, logging_steps=0.1, eval_steps=None), state, None)
     assert (state.save_steps, state.logging_steps, state.eval_steps) == (2, 4, 5)
+
+
+def test_a_rank_left_waiting_by_a_dead_one_is_told_apart():
+    """A rank in a collective when another dies gets gloo's or NCCL's connection error: the worker
+    says it in one line instead of 30 lines of frames (the dead rank's own error is the cause)."""
+    from tuneledger.worker import peer_lost
+
+    assert peer_lost(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                  "[127.0.0.1]:60000"))
+    assert peer_lost(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert not peer_lost(RuntimeError("CUDA error: an illegal memory access was encountered"))

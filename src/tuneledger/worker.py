@@ -58,6 +58,14 @@ def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
     return cfg, device, rank, local_rank
 
 
+def peer_lost(exc: BaseException) -> bool:
+    """True if `exc` says another rank went away under a collective (gloo: "Connection closed by
+    peer", "Connection reset by peer"; NCCL: "remote process exited", "Broken pipe")."""
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+                                   "Broken pipe"))
+
+
 def main(job_path: str) -> int:
     started = time.time()  # the launcher's ETA part "launch" ends here
     job = json.loads(Path(job_path).read_text())
@@ -283,12 +291,19 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1])
     except BaseException as e:
-        if not disk_full(e):
-            raise
-        # Each rank that meets a full disk would print some 40 lines of torch.save's and peft's frames;
-        # the message (guards.DiskFullError names the checkpoint and the bytes) is what the user acts on.
-        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        os._exit(1)
+        if disk_full(e):
+            # Each rank that meets a full disk would print some 40 lines of torch.save's and peft's
+            # frames; the message (guards.DiskFullError names the checkpoint and the bytes) is what
+            # the user acts on.
+            print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
+        if peer_lost(e):
+            # Another rank died (its own error is in the log): this one's 30 lines in a collective
+            # say only that it was waiting for it.
+            print(f"rank {os.environ.get('RANK', '?')}: stopped: another rank died while this one waited for it in a "
+                  f"collective ({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+            os._exit(1)
+        raise
     # The result is written and the process group destroyed: nothing is left to do. Interpreter
     # teardown of torch's C++ threads aborted 1 in ~10 FSDP2 runs over gloo (torch 2.13: "terminate
     # called without an active exception", SIGABRT), which failed a run that had finished; the
