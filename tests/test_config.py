@@ -172,3 +172,12 @@ def test_a_key_given_twice_in_a_yaml_is_refused_with_both_lines(tmp_path):
     merged = tmp_path / "merged.yaml"
     merged.write_text("base: &b\n  x: 1\n  y: 2\nother:\n  <<: *b\n  x: 3\n")
     assert read_yaml_mapping(merged, "config")["other"] == {"x": 3, "y": 2}
+
+
+def test_two_presets_say_where_they_were_given():
+    from tuneledger.config_load import preset_from_cli
+
+    with pytest.raises(ConfigError, match=r"presets A and B both given \(preset= more than once\)"):
+        preset_from_cli(["preset=A", "preset=B"], None)
+    with pytest.raises(ConfigError, match=r"presets A and B both given \(--preset and preset=\)"):
+        preset_from_cli(["preset=A"], "B")

@@ -48,3 +48,22 @@ def test_a_python_error_alone_is_said_once():
     for rank in (0, 1):
         r.feed(f"[rank{rank}]: ValueError: bad batch\n")
     assert r.causes() == ["ValueError: bad batch"]
+
+
+def test_torchruns_table_is_one_line_on_the_terminal_and_whole_in_the_log(tmp_path):
+    """tuneledger.torchrun prints its table of failed ranks after "torchrun: ChildFailedError:";
+    the terminal gets a pointer to the log (which the launcher writes whole), the lines around it
+    as they are; without a log, or cut short, the table is shown."""
+    from tuneledger.rank_output import FailureTable
+
+    table = "torchrun: ChildFailedError:\n" + KILLED_RANK_1.split("ChildFailedError:\n", 1)[1]
+    text = "rank 0: stopped: another rank died\n" + table + "after\n"
+    table_filter = FailureTable(tmp_path / "train.log")
+    shown = "".join(table_filter.shown(line) for line in text.splitlines(keepends=True))
+    assert shown == ("rank 0: stopped: another rank died\n"
+                     f"launch: torchrun's table of the failed ranks is in {tmp_path / 'train.log'}\nafter\n")
+    no_log = FailureTable(None)
+    assert "".join(no_log.shown(line) for line in text.splitlines(keepends=True)) == text
+    cut = FailureTable(tmp_path / "train.log")
+    held = "".join(cut.shown(line) for line in table.splitlines(keepends=True)[:5])
+    assert held == "" and cut.shown("") == "".join(table.splitlines(keepends=True)[:5])

@@ -244,7 +244,8 @@ def preset_from_cli(items: list[str], option: str | None, allow_all: bool = Fals
         given.append(option)
     wanted = sorted({g.upper() for g in given if g})
     if len(wanted) > 1:
-        raise ConfigError(f"presets {' and '.join(wanted)} both given (--preset and preset=); give one")
+        how = "--preset and preset=" if option and len(given) > 1 else "preset= more than once"
+        raise ConfigError(f"presets {' and '.join(wanted)} both given ({how}); give one")
     preset = wanted[0] if wanted else None
     if preset == "ALL" and not allow_all:
         raise ConfigError(f"preset all runs every preset, which only dryrun does; choose one of {', '.join(PRESETS)}")

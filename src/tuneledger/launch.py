@@ -22,7 +22,7 @@ from typing import Iterator
 
 from tuneledger.config import ConfigError
 from tuneledger.nodes import Nodes, nccl_env
-from tuneledger.rank_output import FailureReader, StopTraceback
+from tuneledger.rank_output import FailureReader, FailureTable, StopTraceback
 from tuneledger.words import plural
 
 def free_port() -> int:
@@ -327,9 +327,9 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
         if main:  # a signal that came meanwhile is handled now, inside this try
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         assert proc.stdout is not None
-        quiet = StopTraceback(log_path)
+        quiet, table = StopTraceback(log_path), FailureTable(log_path)
         for line in proc.stdout:
-            sys.stdout.write(quiet.shown(line, stopper.signal))
+            sys.stdout.write(table.shown(quiet.shown(line, stopper.signal)))
             sys.stdout.flush()
             if log:
                 try:
@@ -338,7 +338,7 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
                     print(f"launch: cannot write {log_path} ({e}); the log goes on here only", file=sys.stderr)
                     log = None
             failure.feed(line)
-        sys.stdout.write(quiet.shown("", None))  # a traceback cut short by torchrun's exit
+        sys.stdout.write(quiet.shown("", None) + table.shown(""))  # cut short by torchrun's exit
         rc = proc.wait()
     except (KeyboardInterrupt, Terminated) as stop:
         if main:  # a second SIGTERM must not cut the wait for the ranks short

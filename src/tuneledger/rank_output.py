@@ -71,3 +71,31 @@ class StopTraceback:
         if "SignalException" in line:
             return f"launch: torchrun stopped by the {stop_signal} passed on to it{self.where}\n"
         return text
+
+
+class FailureTable:
+    """What the terminal shows of torchrun's table of failed ranks (tuneledger.torchrun prints it
+    after "torchrun: ChildFailedError:", between two rules of '='): one line pointing at the log,
+    which keeps it whole. The launcher's own last lines say which rank failed and why
+    (FailureReader), so the 20 lines say nothing more there. Without a log it is shown."""
+
+    def __init__(self, log_path: Path | None):
+        self.log_path = log_path
+        self.held: list[str] | None = None
+
+    def shown(self, line: str) -> str:
+        """The text to show for `line` ("" while the table is held); shown("") gives back what is
+        still held (a table cut short)."""
+        if self.held is None:
+            if self.log_path and line.startswith("torchrun: ChildFailedError"):
+                self.held = [line]
+                return ""
+            return line
+        if not line:
+            text, self.held = "".join(self.held), None
+            return text
+        self.held.append(line)
+        if sum(held.startswith("====") for held in self.held) < 2:
+            return ""
+        self.held = None
+        return f"launch: torchrun's table of the failed ranks is in {self.log_path}\n"
