@@ -826,3 +826,15 @@ def test_a_rank_left_waiting_by_a_dead_one_is_told_apart():
                                   "[127.0.0.1]:60000"))
     assert peer_lost(RuntimeError("NCCL error: remote process exited or there was a network error"))
     assert not peer_lost(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
+def test_a_dryruns_full_disk_message_speaks_of_the_dryrun(tmp_path):
+    """The dry-run's one timed save told the user to lower save_total_limit and that the run
+    'starts over': a training's advice. Each says what its own command does next."""
+    from tuneledger.guards import disk_full_message
+
+    dry = disk_full_message(tmp_path / "dryrun" / "A" / "checkpoint-6", None, None, dryrun=True)
+    assert dry.endswith("The dry-run times one real save: free space, then run the same command again.")
+    assert "save_total_limit" not in dry
+    train = disk_full_message(tmp_path / "checkpoint-20", 2**20, tmp_path / "checkpoint-10")
+    assert f"The last good checkpoint, {tmp_path / 'checkpoint-10'}, is kept." in train and "1,048,576 bytes" in train

@@ -51,11 +51,14 @@ class DiskFullError(OSError):
     """A save ran out of disk. The message names the path, the bytes needed and the bytes free."""
 
 
-def disk_full_message(ckpt: Path, need: int | None, good: Path | None) -> str:
+def disk_full_message(ckpt: Path, need: int | None, good: Path | None, dryrun: bool = False) -> str:
+    """The line a save that met a full disk ends with: the path, the bytes needed (when a save was
+    weighed) and free, and what the same command does next (`dryrun`: the dry-run's timed save)."""
     free = shutil.disk_usage(next((p for p in [ckpt, *ckpt.parents] if p.exists()), Path("."))).free
     return (f"disk full while saving {ckpt}: a checkpoint needs {need:,} bytes" if need else
             f"disk full while saving {ckpt}: a checkpoint needs more") + (
         f", {free:,} bytes are free there. " + (
+            "The dry-run times one real save: free space, then run the same command again." if dryrun else
             f"The last good checkpoint, {good}, is kept. Free space or lower save_total_limit, then run the same "
             "command to resume from it." if good else
             "No checkpoint was saved before it. Free space or lower save_total_limit, then run the same command: it "
@@ -68,8 +71,8 @@ class SealCheckpoint(TrainerCallback):
     checkpoints out, counting sealed ones only (the Trainer's own rotation runs before this callback
     and could delete a good checkpoint for one that never gets sealed; it is turned off)."""
 
-    def __init__(self, cfg: JobConfig, data_files: dict[str, str] | None, keep: int | None):
-        self.cfg, self.data_files, self.keep = cfg, data_files or {}, keep
+    def __init__(self, cfg: JobConfig, data_files: dict[str, str] | None, keep: int | None, dryrun: bool = False):
+        self.cfg, self.data_files, self.keep, self.dryrun = cfg, data_files or {}, keep, dryrun
         self.good: Path | None = None  # last sealed checkpoint of this run
         self.bytes: int | None = None  # its size on disk
 
@@ -101,7 +104,7 @@ class SealCheckpoint(TrainerCallback):
         except Exception as e:
             if disk_full(e):
                 shutil.rmtree(ckpt, ignore_errors=True)  # half-written: no use, and it holds space
-                raise DiskFullError(errno.ENOSPC, disk_full_message(ckpt, self.bytes, self.good)) from e
+                raise DiskFullError(errno.ENOSPC, disk_full_message(ckpt, self.bytes, self.good, self.dryrun)) from e
             raise
         apply_umask(ckpt)  # safetensors wrote adapter_model.safetensors 0600
         bad = unhealthy(health)

@@ -158,7 +158,8 @@ class LedgerTrainer(Trainer):
             seal = next((c for c in self.callback_handler.callbacks if isinstance(c, SealCheckpoint)), None)
             if self.is_world_process_zero():
                 shutil.rmtree(ckpt, ignore_errors=True)  # half-written: no use, and it holds space
-            raise DiskFullError(errno.ENOSPC, disk_full_message(ckpt, seal and seal.bytes, seal and seal.good)) from e
+            raise DiskFullError(errno.ENOSPC, disk_full_message(ckpt, seal and seal.bytes, seal and seal.good,
+                                                                 bool(seal and seal.dryrun))) from e
 
     def floating_point_ops(self, inputs) -> int:
         return 6 * self.n_params * inputs["input_ids"].numel()

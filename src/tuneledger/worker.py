@@ -113,7 +113,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     info["load_s"] = round(time.perf_counter() - t0, 2)
     timeline = {"model_loaded": time.time()}
 
-    seal = SealCheckpoint(cfg, job.get("data_files"), cfg.save_total_limit)
+    seal = SealCheckpoint(cfg, job.get("data_files"), cfg.save_total_limit, dryrun=job["mode"] == "dryrun")
     seal.bytes = job.get("checkpoint_bytes_estimate")
     guard = NonFiniteGuard()
     clock = Clock(cuda)
