@@ -242,6 +242,8 @@ def find_prediction(dryrun_json: Path, config: dict, world_size: int, data_hash:
         return None, f"{dryrun_json} cannot be read ({type(e).__name__}: {e})"
     if not isinstance(led, dict):
         return None, f"{dryrun_json} is not a dry-run ledger (a JSON {type(led).__name__}, not an object)"
+    if not isinstance(led.get("presets"), list) or "world_size" not in led:
+        return None, f"{dryrun_json} is not a dry-run ledger (no presets list or world size)"
     if led.get("world_size") != world_size or (led.get("backend") == "gloo") != cpu:
         return None, (f"{dryrun_json} measured {led.get('world_size')} x {led.get('backend')} processes; this run has "
                       f"{world_size} x {'gloo' if cpu else 'nccl'}")
