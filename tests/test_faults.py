@@ -838,3 +838,21 @@ def test_a_dryruns_full_disk_message_speaks_of_the_dryrun(tmp_path):
     assert "save_total_limit" not in dry
     train = disk_full_message(tmp_path / "checkpoint-20", 2**20, tmp_path / "checkpoint-10")
     assert f"The last good checkpoint, {tmp_path / 'checkpoint-10'}, is kept." in train and "1,048,576 bytes" in train
+
+
+def test_an_export_from_an_earlier_checkpoint_says_which_final_it_stands_in_for(tmp_path):
+    """export.json's `instead_of_final`: the run's final checkpoint when neither it nor its root copy
+    verified and an earlier one was exported; None when the final one (or its root copy) was."""
+    from tuneledger.checkpoints import find_checkpoint
+    from tuneledger.export import instead_of_final
+
+    run = tmp_path / "run"
+    older = fake_checkpoint(run, 2)
+    final = fake_checkpoint(run, 4)
+    ck.publish_final(final, run, finished=True)
+    assert instead_of_final(run, find_checkpoint(run)) is None  # checkpoint-4 itself
+    (final / "adapter_model.safetensors").write_bytes(b"")
+    assert instead_of_final(run, find_checkpoint(run)) is None  # its copy at the root
+    (run / "adapter_model.safetensors").write_bytes(b"x")
+    assert find_checkpoint(run) == older and instead_of_final(run, older) == "checkpoint-4"
+    assert instead_of_final(older, older) is None  # a checkpoint named directly: no run's final to stand in for

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneledger.atomicdir import atomic_dir
-from tuneledger.checkpoints import LoadError, find_checkpoint
+from tuneledger.checkpoints import FINAL, LoadError, find_checkpoint
 from tuneledger.loading import checkpoint_step, run_conversations, run_dir
 from tuneledger.model import PreflightError, read_model_config
 from tuneledger.perms import apply_umask
@@ -155,6 +155,18 @@ def _compare(ref: list[dict], got: list[dict], prompt_lens: list[int], rtol: flo
             "passed": not broken and worst <= rtol}
 
 
+def instead_of_final(adapter: Path, ckpt: Path) -> str | None:
+    """When `ckpt` is not the run's final adapter (its final checkpoint and the copy at its root both
+    failed to verify, so find_checkpoint fell back to an earlier one): the final one's name, for the
+    export ledger; else None."""
+    try:
+        named = json.loads((Path(adapter) / FINAL).read_text()).get("checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named if named and Path(ckpt).resolve() not in (Path(adapter).resolve(), (Path(adapter) / named).resolve()) \
+        else None
+
+
 def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16", max_new_tokens: int = 32,
            device: str | None = None, shard_gb: int = 2, asked_template: str | None = None) -> dict:
     """Merge, verify and write `out` (safetensors shards of at most `shard_gb` GB); returns the
@@ -236,7 +248,7 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
         ledger = {
             # Provenance: what `tuneledger chat` on the export names (the run, the checkpoint, its step, the base).
             "source_run": str(ckpt.parent), "checkpoint": str(ckpt), "step": checkpoint_step(ckpt), "base": base,
-            "dtype": dtype, "out": str(out),
+            "dtype": dtype, "out": str(out), "instead_of_final": instead_of_final(adapter, ckpt),
             "safetensors_bytes": size, "shards": len(list(tmp.glob("*.safetensors"))), "eos_token_ids": gen.eos_token_id,
             "verification": check, "seconds": round(time.perf_counter() - t0, 1),
             "samples": [tokenizer.decode(g["tokens"], skip_special_tokens=False) for g in got[:2]],
