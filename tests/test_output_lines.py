@@ -1,6 +1,7 @@
 """What a user reads: step progress, and no line without information."""
 
 import argparse
+import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -437,3 +438,18 @@ def test_worker_counts_past_the_cores_are_capped_and_said_once(capsys, monkeypat
     assert capsys.readouterr().out == (f"dataloader_num_workers={cores + 2} per rank, capped at {cores}: this process "
                                        f"may use {cores} CPU cores (more workers would only compete for them)\n")
     assert loader_workers(cores + 2) == cores and capsys.readouterr().out == ""  # ranks other than 0 say nothing
+
+
+def test_the_presets_an_earlier_ledger_measured_are_read_for_the_replace_note(tmp_path):
+    """A `--preset A` dry-run replaced a 4-preset ledger without a word; the note names what the
+    earlier one held (earlier_presets), and a missing or damaged ledger holds none."""
+    from tuneledger.dryrun import earlier_presets
+
+    led = tmp_path / "dryrun.json"
+    assert earlier_presets(led) == set()
+    led.write_text(json.dumps({"presets": [{"preset": "A", "s_per_step": 1.0}, {"preset": "B", "skipped": "oom"},
+                                           {"preset": "D", "s_per_step": 0.8}, 7]}))
+    assert earlier_presets(led) == {"A", "D"}
+    for bad in ("[1, 2]", '{"presets": [', '{"presets": "x"}'):
+        led.write_text(bad)
+        assert earlier_presets(led) == set()

@@ -109,6 +109,15 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     return rc, result, oom, full
 
 
+def earlier_presets(path: Path) -> set[str]:
+    """The presets an existing dry-run ledger measured (none if it is absent or unreadable)."""
+    try:
+        rows = json.loads(path.read_text()).get("presets") or []
+        return {r["preset"] for r in rows if isinstance(r, dict) and "s_per_step" in r}
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return set()
+
+
 def _put_back(earlier: Path, run_dir: Path, failed: Path) -> None:
     """The preset's earlier folder back at `run_dir`; what a failed or stopped run left there goes
     to `failed` (replacing an older one). Renames only: a full disk allows them."""
@@ -343,7 +352,11 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         first_dir = out_root / "dryrun" / (done[0]["preset"] if done else "-")
         led["nodes"] = summary(nodes, nproc, first, first_dir / "nccl")
     png = pictures(led, rows, samples, out_root, f"dry-run {base.run_name}: {world} x")
+    dropped = earlier_presets(out_root / "dryrun.json") - {r["preset"] for r in done}
     ledger.write(out_root, "dryrun", led, markdown(led))
+    if dropped:
+        print(f"note: the earlier dryrun.json measured {', '.join(sorted(dropped))} too; this one replaces it and holds "
+              f"{', '.join(r['preset'] for r in done) or 'none'} (--preset all measures every preset)", flush=True)
     print()
     print_table(led)
     wrote = [out_root / "dryrun.json", out_root / "dryrun.md", *([png] if png else [])]
