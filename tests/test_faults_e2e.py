@@ -241,9 +241,21 @@ def fill(mnt: Path, leave: int) -> None:
     os.truncate(mnt / "ballast", max(0, (mnt / "ballast").stat().st_size - leave))
 
 
-def test_disk_full_names_path_need_and_free_and_keeps_the_last_good_checkpoint(tmp_path, tmpfs, tiny_model, data):
+def fill_under(launcher: subprocess.Popen, mnt: Path, leave: int) -> int:
+    """Fill `mnt` (fill) while the launcher's ranks are paused (SIGSTOP), so their next write is
+    the one that meets the full disk; then let them go on and return the launcher's exit code."""
     from tuneledger.launch import _child_pids
 
+    ranks = [r for t in _child_pids(launcher.pid) for r in _child_pids(t)]
+    for r in ranks:
+        os.kill(r, signal.SIGSTOP)
+    fill(mnt, leave=leave)
+    for r in ranks:
+        os.kill(r, signal.SIGCONT)
+    return launcher.wait(timeout=600)
+
+
+def test_disk_full_names_path_need_and_free_and_keeps_the_last_good_checkpoint(tmp_path, tmpfs, tiny_model, data):
     run = tmpfs / "run"
     launcher = start(*args(tiny_model, data, run, "max_steps=8"), out=tmp_path / "out")
     try:
@@ -251,13 +263,7 @@ def test_disk_full_names_path_need_and_free_and_keeps_the_last_good_checkpoint(t
         # meanwhile (SIGSTOP), so the next save is the one that meets the full disk.
         wait_for(lambda: (run / "checkpoint-2" / "tuneledger_manifest.json").exists(), "checkpoint-2", proc=launcher,
                  log=run / "train.log")
-        ranks = [r for t in _child_pids(launcher.pid) for r in _child_pids(t)]
-        for r in ranks:
-            os.kill(r, signal.SIGSTOP)
-        fill(tmpfs, leave=3 * 2**20)
-        for r in ranks:
-            os.kill(r, signal.SIGCONT)
-        rc = launcher.wait(timeout=600)
+        rc = fill_under(launcher, tmpfs, leave=3 * 2**20)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -270,8 +276,6 @@ def test_disk_full_names_path_need_and_free_and_keeps_the_last_good_checkpoint(t
 
 def test_a_disk_that_fills_during_a_dryrun_preset_is_said_once_and_keeps_the_earlier_dryrun(tmp_path, tmpfs, tiny_model,
                                                                                               data):
-    from tuneledger.launch import _child_pids
-
     run = tmpfs / "run"
     dry = ["dryrun", str(ROOT / "configs/tiny.yaml"), f"model_name_or_path={tiny_model}", f"dataset={data}",
            f"output_dir={run}", f"cache_dir={tmp_path / 'cache'}", "cutoff_len=128", "global_batch_size=2",
@@ -286,13 +290,7 @@ def test_a_disk_that_fills_during_a_dryrun_preset_is_said_once_and_keeps_the_ear
         wait_for(lambda: (run / "dryrun.log.1").exists() and (run / "dryrun.log").exists()
                  and "step 1/" in (run / "dryrun.log").read_text(),
                  "the first step", proc=launcher, log=run / "dryrun.log")
-        ranks = [r for t in _child_pids(launcher.pid) for r in _child_pids(t)]
-        for r in ranks:
-            os.kill(r, signal.SIGSTOP)
-        fill(tmpfs, leave=0)
-        for r in ranks:
-            os.kill(r, signal.SIGCONT)
-        rc = launcher.wait(timeout=600)
+        rc = fill_under(launcher, tmpfs, leave=0)
     finally:
         if launcher.poll() is None:
             launcher.kill()
