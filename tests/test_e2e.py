@@ -199,4 +199,4 @@ def test_a_dry_run_whose_every_preset_fails_leaves_the_earlier_ledger(tmp_path, 
     assert (tmp_path / "dry" / "dryrun.json").read_bytes() == before
     failed = json.loads((tmp_path / "dry" / "dryrun.failed.json").read_text())["presets"]
     assert [r["preset"] for r in failed] == ["A"] and "s_per_step" not in failed[0], failed
-    assert "is left as it was, this run's failures are in" in crashed.stdout
+    assert "is left as it was, this run's rows are in" in crashed.stdout
