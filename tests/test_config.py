@@ -181,3 +181,11 @@ def test_two_presets_say_where_they_were_given():
         preset_from_cli(["preset=A", "preset=B"], None)
     with pytest.raises(ConfigError, match=r"presets A and B both given \(--preset and preset=\)"):
         preset_from_cli(["preset=A"], "B")
+
+
+def test_preset_option_given_twice_is_refused_as_preset_key_twice_is(capsys):
+    from tuneledger import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "c.yaml", "--preset", "A", "--preset", "B"])
+    assert e.value.code == 2 and "presets A and B both given (--preset more than once)" in capsys.readouterr().err

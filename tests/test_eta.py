@@ -84,7 +84,8 @@ def test_train_finds_the_dry_run_of_its_own_settings_only(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["", '{"world_size": 2, "backend": "gl', "[1, 2]", '{"world_size": 2, "backend": "gloo", '
-                                  '"data_hash": "abc", "presets": [7, {"preset": "A"}]}', '{"presets": "x"}'])
+                                  '"data_hash": "abc", "presets": [7, {"preset": "A"}]}', '{"presets": "x"}', 'null',
+                                  '{"presets": [], "world_size": "two"}', '{"presets": [], "world_size": 2}'])
 def test_a_damaged_ledger_is_no_prediction_not_a_fault(tmp_path, text):
     """A dryrun.json left empty or cut by a full disk or a kill mid-write (or not a ledger at all):
     train finds no prediction, with the reason, and its finished run is not failed by the check."""

@@ -534,10 +534,13 @@ def test_a_presets_earlier_result_survives_a_stop_and_a_kill_9(tmp_path, monkeyp
             dryrun.run_one(cfg, tmp_path / "prep", 2, True, tmp_path, tmp_path / "dryrun.log")
         assert json.loads((dry / "A" / "result.json").read_text()) == {"earlier": True}
         assert (dry / "A.failed" / "job.json").exists() and not (dry / "A.earlier").exists()
-    # a kill -9 mid-preset: the earlier folder set aside, the new one without a result
+    # a kill -9 mid-preset: the earlier folder set aside, the new one without a result; the next
+    # dry-run puts it back at its start, whichever presets it measures (a re-trial ran C next)
     (dry / "A").rename(dry / "A.earlier")
     (dry / "A").mkdir()
     (dry / "A" / "job.json").write_text("{}")
+    assert dryrun.put_back_earlier(dry) == ["A"]
+    assert json.loads((dry / "A" / "result.json").read_text()) == {"earlier": True} and not (dry / "A.earlier").exists()
 
     def fails(job, job_path, *a, outcome, **kw):
         job_path.parent.mkdir(parents=True, exist_ok=True)
@@ -856,3 +859,18 @@ def test_an_export_from_an_earlier_checkpoint_says_which_final_it_stands_in_for(
     (run / "adapter_model.safetensors").write_bytes(b"x")
     assert find_checkpoint(run) == older and instead_of_final(run, older) == "checkpoint-4"
     assert instead_of_final(older, older) is None  # a checkpoint named directly: no run's final to stand in for
+
+
+def test_an_export_of_the_root_copy_names_its_run_and_step(tmp_path):
+    """The root copy stands in for a damaged final checkpoint: its step is the one tuneledger_final.json
+    names (a re-trial's export.json said step null and the run's parent folder as its run)."""
+    from tuneledger.checkpoints import find_checkpoint
+    from tuneledger.loading import checkpoint_step
+
+    run = tmp_path / "run"
+    fake_checkpoint(run, 2)
+    final = fake_checkpoint(run, 4)
+    ck.publish_final(final, run, finished=True)
+    (final / "adapter_model.safetensors").write_bytes(b"")
+    assert find_checkpoint(run) == run and checkpoint_step(run) == 4
+    assert checkpoint_step(final) == 4 and checkpoint_step(tmp_path) is None

@@ -265,7 +265,17 @@ def add_preset_option(parser: Any, allow_all: bool = False) -> None:
         raise argparse.ArgumentTypeError(f"unknown preset '{value}'; choose one of {', '.join(PRESETS)}"
                                          + (" or all" if allow_all else ""))
 
-    parser.add_argument("--preset", type=preset,
+    import argparse
+
+    class Once(argparse.Action):
+        # `--preset A --preset B` took B silently, where `preset=A preset=B` is refused: refused alike.
+        def __call__(self, parser, namespace, value, option_string=None):
+            before = getattr(namespace, self.dest, None)
+            if before is not None and before != value:
+                parser.error(f"presets {before} and {value} both given (--preset more than once); give one")
+            setattr(namespace, self.dest, value)
+
+    parser.add_argument("--preset", type=preset, action=Once,
                         metavar="{" + ",".join(PRESETS) + (",all}" if allow_all else "}"),
                         help="one preset, or all of them ranked (default: the config's preset)" if allow_all
                         else "the preset (same as preset=X; default: the config's)")

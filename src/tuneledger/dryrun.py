@@ -71,9 +71,7 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
     run_dir = out_root / "dryrun" / name
     earlier, failed = run_dir.with_name(f"{name}.earlier"), run_dir.with_name(f"{name}.failed")
     if nodes.first:
-        if earlier.exists() and not (run_dir / "result.json").exists():
-            _put_back(earlier, run_dir, failed)  # a run killed (-9) mid-preset left its earlier result aside
-        shutil.rmtree(earlier, ignore_errors=True)
+        shutil.rmtree(earlier, ignore_errors=True)  # (put back at the dry-run's start: put_back_earlier)
         if run_dir.exists():
             run_dir.rename(earlier)  # a rename: it needs no room on a full disk
     if cap_gib:
@@ -116,6 +114,22 @@ def earlier_presets(path: Path) -> set[str]:
         return {r["preset"] for r in rows if isinstance(r, dict) and "s_per_step" in r}
     except (OSError, ValueError, AttributeError, TypeError, KeyError):
         return set()
+
+
+def put_back_earlier(presets_dir: Path) -> list[str]:
+    """Every preset folder a dry-run killed (-9) mid-preset left set aside (`<preset>.earlier`, its
+    own folder without a result) back in place, whichever presets this run measures. Returns their
+    names."""
+    back = []
+    for earlier in sorted(presets_dir.glob("*.earlier")) if presets_dir.is_dir() else []:
+        name = earlier.name.removesuffix(".earlier")
+        run_dir = earlier.with_name(name)
+        if (run_dir / "result.json").exists():
+            shutil.rmtree(earlier, ignore_errors=True)  # measured since: the set-aside one is older
+        else:
+            _put_back(earlier, run_dir, run_dir.with_name(f"{name}.failed"))
+            back.append(name)
+    return back
 
 
 def _put_back(earlier: Path, run_dir: Path, failed: Path) -> None:
@@ -278,6 +292,8 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
           f"{stats['steps_per_epoch']:,} steps/epoch (cache {prep.path})")
     out_root.mkdir(parents=True, exist_ok=True)  # only now: a start that failed its checks leaves no empty run
     log = out_root / f"dryrun{nodes.suffix()}.log"
+    if nodes.first:
+        put_back_earlier(out_root / "dryrun")
     if log.exists():  # the earlier dry-run's log stays readable beside this one's (a rename needs no room)
         log.rename(log.with_name(log.name + ".1"))
     log.touch()

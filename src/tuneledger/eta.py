@@ -241,9 +241,11 @@ def find_prediction(dryrun_json: Path, config: dict, world_size: int, data_hash:
     except (OSError, ValueError) as e:  # a damaged ledger (a full disk, a kill mid-write): no prediction, not a fault
         return None, f"{dryrun_json} cannot be read ({type(e).__name__}: {e})"
     if not isinstance(led, dict):
-        return None, f"{dryrun_json} is not a dry-run ledger (a JSON {type(led).__name__}, not an object)"
-    if not isinstance(led.get("presets"), list) or "world_size" not in led:
-        return None, f"{dryrun_json} is not a dry-run ledger (no presets list or world size)"
+        kind = {type(None): "null", list: "list", str: "string", bool: "true/false"}.get(type(led), "number")
+        return None, f"{dryrun_json} is not a dry-run ledger (a JSON {kind}, not an object)"
+    if not isinstance(led.get("presets"), list) or not isinstance(led.get("world_size"), int) \
+            or led.get("backend") not in ("gloo", "nccl"):
+        return None, f"{dryrun_json} is not a dry-run ledger (no presets list, whole world size or backend)"
     if led.get("world_size") != world_size or (led.get("backend") == "gloo") != cpu:
         return None, (f"{dryrun_json} measured {led.get('world_size')} x {led.get('backend')} processes; this run has "
                       f"{world_size} x {'gloo' if cpu else 'nccl'}")

@@ -247,7 +247,9 @@ def export(adapter: Path, out: Path, base: str | None = None, dtype: str = "bf16
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         ledger = {
             # Provenance: what `tuneledger chat` on the export names (the run, the checkpoint, its step, the base).
-            "source_run": str(ckpt.parent), "checkpoint": str(ckpt), "step": checkpoint_step(ckpt), "base": base,
+            # A run's root is the final adapter's verified copy (its checkpoint was damaged): the run is itself.
+            "source_run": str(ckpt if (ckpt / FINAL).is_file() else ckpt.parent), "checkpoint": str(ckpt),
+            "step": checkpoint_step(ckpt), "base": base,
             "dtype": dtype, "out": str(out), "instead_of_final": instead_of_final(adapter, ckpt),
             "safetensors_bytes": size, "shards": len(list(tmp.glob("*.safetensors"))), "eos_token_ids": gen.eos_token_id,
             "verification": check, "seconds": round(time.perf_counter() - t0, 1),

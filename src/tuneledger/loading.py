@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuneledger.checkpoints import LoadError, RunNotFound, find_checkpoint
+from tuneledger.checkpoints import FINAL, LoadError, RunNotFound, find_checkpoint
 
 
 @dataclass
@@ -70,7 +70,12 @@ def run_config(path: Path) -> dict:
 
 
 def checkpoint_step(ckpt: Path) -> int | None:
-    """The optimizer step a checkpoint was saved at: its trainer_state.json, else its name (checkpoint-N)."""
+    """The optimizer step a checkpoint was saved at: its trainer_state.json, else its name
+    (checkpoint-N); for a run's root (the final adapter's copy) the step its FINAL file names."""
+    try:
+        return int(json.loads((ckpt / FINAL).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     try:
         return int(json.loads((ckpt / "trainer_state.json").read_text())["global_step"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -155,7 +155,7 @@ def failure_line(rc: int, outcome: dict, stopped_cleanly: bool, out: Path, log: 
                 "point resume_from_checkpoint at one you trust.")
     else:
         then = "No checkpoint was saved: the same command starts over."
-    return f"tuneledger train: {what}. {then} The log is {log}."
+    return f"tuneledger train: {what.rstrip('.')}. {then} The log is {log}."
 
 
 def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict, before: BeforeRanks | None = None) -> int:
