@@ -140,5 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tuneledger {args.verb}: {e}", file=sys.stderr)
         return BAD_INPUT
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -46,6 +46,10 @@ from tuneledger.sharding import peak_by_world
 
 
 
+# A preset row's `skipped` when its run met a full disk (measure_presets); _run reads it back.
+DISK_FULL = "disk full: "
+
+
 def preset_config(items: list[str], preset: str) -> JobConfig:
     # The preset sits between the file and the user's own key=value overrides.
     return from_cli([i for i in items if not i.startswith("preset=")] + [f"preset={preset}"])
@@ -199,7 +203,7 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
             print(f"preset {name}: the disk is full (the worker error above)"
                   + (f"; {', '.join(later)} after it {'is' if len(later) == 1 else 'are'} not measured" if later else ""),
                   flush=True)
-            rows.append({"preset": name, "skipped": f"disk full: {full}"})
+            rows.append({"preset": name, "skipped": DISK_FULL + full})
             rows += [{"preset": n, "skipped": "not measured: the disk was full"} for n in later]
             return
         if result is None:
@@ -329,7 +333,7 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     samples = sampler.stop() if sampler else []
     # A stopped command's code (docs/runs-and-output.md): 143 for SIGTERM, 130 for Ctrl-C, as a shell reports them.
     # A full disk stopped the presets: a failed command, whatever was measured before it.
-    full = next((r["preset"] for r in rows if str(r.get("skipped", "")).startswith("disk full")), None)
+    full = next((r["preset"] for r in rows if str(r.get("skipped", "")).startswith(DISK_FULL)), None)
     rc = 143 if stopped.startswith("terminated") else 130 if stopped == "interrupted" else 0 if done and not full else 1
     if stopped:
         rows += [{"preset": n, "skipped": stopped} for n in names if n not in {r["preset"] for r in rows}]

@@ -6,7 +6,6 @@ collator (padded, or packed without cross-sample attention) and a job's Training
 from __future__ import annotations
 
 import errno
-import math
 import os
 import shutil
 import sys
@@ -187,14 +186,11 @@ class LedgerTrainer(Trainer):
 class StepsFromArgs(TrainerCallback):
     """A resumed run's logging, eval and save intervals are the command's, not its checkpoint's:
     transformers takes them from the checkpoint's trainer_state.json (a trial's `save_steps=2`
-    resumed saving every 5, after a line that said every 2). A fraction (< 1) is of max_steps,
-    as transformers reads it."""
+    resumed saving every 5, after a line that said every 2). transformers' own TrainerState.compute_steps
+    puts them back, a fraction (< 1) of max_steps as it reads it for a fresh run."""
 
     def on_train_begin(self, args, state, control, **kw):
-        for key in ("logging_steps", "eval_steps", "save_steps"):
-            value = getattr(args, key, None)
-            if value:
-                setattr(state, key, math.ceil(state.max_steps * value) if value < 1 else int(value))
+        state.compute_steps(args, state.max_steps)
 
 
 class LogLastStep(TrainerCallback):
