@@ -64,7 +64,7 @@ peer() {  # $1: unsloth | hf; the peers train on the tokenized cache this call's
       stamp "unsloth does not import here: no Unsloth rows ($(tail -1 /tmp/logs/unsloth.log))"; return
     fi
     PYTHONPATH=$PWD/.usite:/tmp/site:${PYTHONPATH:-} timeout -k 10 $(( l - 25 )) python3 bench/peer_unsloth.py --model $MODEL --data "$DATA" \
-      --preset $UNSLOTH_PRESETS --steps $(( STEPS + 4 )) --warmup $(( WARMUP + 1 )) --out "$OUT/unsloth.json" > /tmp/logs/unsloth.log 2>&1
+      --preset $UNSLOTH_PRESETS ${UNSLOTH_PROFILE:+--profile} --steps $(( STEPS + 4 )) --warmup $(( WARMUP + 1 )) --out "$OUT/unsloth.json" > /tmp/logs/unsloth.log 2>&1
     stamp "unsloth exit $?: $(grep '^unsloth ' /tmp/logs/unsloth.log | tr '\n' ' ')"
   else
     stamp "plain HF + peft + bitsandbytes: preset D, lora_dropout 0 (at most $(( l - 25 )) s)"
@@ -74,7 +74,7 @@ peer() {  # $1: unsloth | hf; the peers train on the tokenized cache this call's
     stamp "hf exit $?: $(grep '^baseline ' /tmp/logs/hf.log)"
   fi
 }
-UNSLOTH_PRESETS=${UNSLOTH_PRESETS:-D C}
+UNSLOTH_PRESETS=${UNSLOTH_PRESETS:-D C}   # UNSLOTH_PROFILE=1: one more step of each profiled (profile-unsloth-<preset>.md)
 variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=value overrides) and e (environment)
   local r=$1
   case ${r:1} in

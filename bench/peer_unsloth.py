@@ -71,6 +71,8 @@ def run_preset(a, preset: str) -> dict:
         return step_loss
 
     wall, durations, losses = timed_steps(one_step, a.steps, a.warmup, tokens)
+    if a.profile:  # one more step, after the timed window, with tuneledger's own kernel-time table
+        profile_step(one_step, a.warmup + a.steps + 1, Path(a.out).parent / f"profile-unsloth-{preset}")
     median = durations[len(durations) // 2]
     out = {"engine": "unsloth", "engine_version": getattr(unsloth, "__version__", "?"), "preset": preset,
            "micro_batch": micro, "accum": accum, "gc": gc, "packed": False, "lora_dropout": 0.0,
@@ -86,9 +88,30 @@ def run_preset(a, preset: str) -> dict:
     return out
 
 
+def profile_step(one_step, step: int, stem: Path) -> None:
+    """Profile one call of `one_step` (optimizer step `step`, 1-based) and write tuneledger.profile's split of it to `<stem>.json`
+    and `<stem>.md` (kernel time by category, idle, launches, top kernels), to set beside a
+    tuneledger profile (TUNELEDGER_PROFILE_STEP) of the same preset."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from tuneledger import profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        one_step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    s = profile.summarize(profile.events(prof), wall)
+    stem.with_suffix(".json").write_text(json.dumps(s, indent=1))
+    stem.with_suffix(".md").write_text(profile.markdown(s, step))
+    print(f"unsloth profile: {stem}.md, {wall * 1e3:.0f} ms wall, GPU kernels {s['kernel_s'] * 1e3:.0f} ms", flush=True)
+
+
 def main() -> None:
     ap = common_args(16, 4)
     ap.add_argument("--cutoff", type=int, default=2048)
+    ap.add_argument("--profile", action="store_true", help="profile one step after the timed ones (profile-unsloth-<preset>.md)")
     a = ap.parse_args()
     rows = []
     for p in a.preset:

@@ -40,8 +40,10 @@ def test_summary_splits_the_step_and_counts_the_host_side():
     assert (s["launches"], s["syncs"]) == (2, 3)
     assert s["sync_calls"] == {"cudaMemcpyAsync": 2, "cudaStreamSynchronize": 1}  # the kinds told apart, most first
     assert s["top_cpu_ops"][0] == ("aten::mm", 60e-6, 2)
+    assert s["top_kernels"] == [("matmul", "gemm_a", 0.3, 1), ("attention", "flash_fwd", 0.1, 1)]
     md = profile.markdown(s, 5)
     assert "| matmul | 300.0 | 60.0% |" in md and "| idle | 100.0 | 20.0% |" in md and "2 kernel launches, 3 host syncs (cudaMemcpyAsync 2, cudaStreamSynchronize 1)" in md
+    assert "| gemm_a | matmul | 300.0 | 1 |" in md
 
 
 def test_callback_profiles_only_its_step(tmp_path):

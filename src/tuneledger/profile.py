@@ -45,17 +45,21 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     """One step's split. events: {"name", "kind" ("kernel" | "runtime" | "cpu_op"), "dur_us",
     "self_us"}; wall_s: the step's wall time (s). Returns {"wall_s", "kernel_s", "categories":
     {name: s}, "idle_s", "idle_share", "launches", "syncs", "sync_calls": {runtime call: count},
-    "top_cpu_ops": [(name, self s, calls)]}. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
+    "top_cpu_ops": [(name, self s, calls)], "top_kernels": [(category, name, GPU s, calls)]}. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
     host waits; the profiler does not say which way a copy went); sync_calls tells the kinds apart.
     Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
     cats: dict[str, float] = {}
     launches = syncs = 0
     sync_calls: dict[str, int] = {}
     ops: dict[str, list] = {}
+    kernels: dict[str, list] = {}
     for e in events:
         if e["kind"] == "kernel":
             c = category(e["name"])
             cats[c] = cats.get(c, 0.0) + e["dur_us"] / 1e6
+            k = kernels.setdefault(e["name"], [0.0, 0])
+            k[0] += e["dur_us"] / 1e6
+            k[1] += 1
         elif e["kind"] == "runtime":
             launches += e["name"].startswith(LAUNCH_CALLS)
             if e["name"].startswith(SYNC_CALLS):
@@ -70,7 +74,9 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     return {"wall_s": wall_s, "kernel_s": kernel_s, "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
             "idle_s": idle, "idle_share": idle / wall_s if wall_s else 0.0, "launches": launches, "syncs": syncs,
             "sync_calls": dict(sorted(sync_calls.items(), key=lambda kv: -kv[1])),
-            "top_cpu_ops": sorted(((n, s, c) for n, (s, c) in ops.items()), key=lambda t: -t[1])[:top]}
+            "top_cpu_ops": sorted(((n, s, c) for n, (s, c) in ops.items()), key=lambda t: -t[1])[:top],
+            # Which kernels a category's time is: two engines' tables compare kernel by kernel.
+            "top_kernels": sorted(((category(n), n, s, c) for n, (s, c) in kernels.items()), key=lambda t: -t[2])[:top]}
 
 
 def markdown(s: dict, step: int) -> str:
@@ -85,10 +91,14 @@ def markdown(s: dict, step: int) -> str:
     lines += [f"| {name} | {sec * 1e3:.1f} | {sec / w:.1%} |" for name, sec in rows]
     lines += ["", "| CPU op (self time) | ms | calls |", "| --- | --- | --- |"]
     lines += [f"| {n[:80]} | {sec * 1e3:.1f} | {c} |" for n, sec, c in s["top_cpu_ops"]]
+    if s.get("top_kernels"):
+        lines += ["", "| GPU kernel | category | ms | calls |", "| --- | --- | --- | --- |"]
+        lines += [f"| {n[:100]} | {cat} | {sec * 1e3:.1f} | {c} |" for cat, n, sec, c in s["top_kernels"]]
     return "\n".join(lines) + "\n"
 
 
-def _events(prof: Any) -> list[dict]:
+def events(prof: Any) -> list[dict]:
+    """summarize()'s events from a finished torch.profiler.profile."""
     out = []
     for e in prof.events():
         kind = str(getattr(e, "device_type", "")).lower()
@@ -130,7 +140,7 @@ class StepProfile(TrainerCallback):
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
-        s = summarize(_events(self.prof), wall)
+        s = summarize(events(self.prof), wall)
         self.prof = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"profile-step{self.step}.json").write_text(json.dumps(s, indent=1))
