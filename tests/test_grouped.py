@@ -94,6 +94,93 @@ def test_grouped_nf4_equals_the_fused_projections(tiny_model):
     assert rel < NF4_TOL, (name, rel)
 
 
+def _group_of(m, layer: int = 0, attr: str = "q_proj"):
+    layer = m.base_model.model.model.layers[layer]
+    mod = getattr(layer.self_attn, attr, None) or getattr(layer.mlp, attr)
+    return mod._tuneledger_group
+
+
+def _views_of_one_tensor(g) -> bool:
+    start = g.w.untyped_storage().data_ptr()
+    return (sum(m.get_base_layer().weight.numel() for m in g.members) == g.w.numel()
+            and all(m.get_base_layer().weight.untyped_storage().data_ptr() == start for m in g.members))
+
+
+def test_groups_lay_their_weights_out_as_one_tensor(tiny_model):
+    """Each group's base weights become views of one tensor (no copy kept), so a group reads its
+    base without concatenating per call; q/k/v and gate/up both."""
+    m = _model(tiny_model, True)
+    for attr in ("q_proj", "gate_proj"):
+        g = _group_of(m, attr=attr)
+        assert g.w is not None and g.layout is None and _views_of_one_tensor(g), attr
+        assert torch.equal(g.w, torch.cat([x.get_base_layer().weight for x in g.members]))
+
+
+@pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
+@pytest.mark.parametrize("once", [False, True], ids=["double-quant", "absmax_once"])
+def test_laid_out_nf4_groups_compute_what_the_per_call_concatenation_did(tiny_model, monkeypatch, once):
+    """NF4: one dequantization of the laid-out weights gives the same bf16 weight as each member's
+    own, bit for bit, so the loss and gradients equal the per-call concatenation's exactly; under
+    absmax_once the fp32 scales are laid out too."""
+    from tuneledger import nf4
+
+    def build(layout: bool):
+        if not layout:
+            monkeypatch.setattr(grouped, "lay_out", lambda members: (None, None, None))
+        orig = fused_lora.fuse_lora
+        if once:  # model.py applies absmax_once before grouping
+            monkeypatch.setattr(fused_lora, "fuse_lora", lambda mm, w: (nf4.absmax_once(mm, True), orig(mm, w))[1])
+        m = _model(tiny_model, True, True)
+        monkeypatch.undo()
+        return m
+
+    laid, per_call = build(True), build(False)
+    g = _group_of(laid, attr="gate_proj")
+    assert g.layout is not None and _views_of_one_tensor(g)
+    assert (g.absmax is not None) == once
+    assert _group_of(per_call).w is None
+    (l0, g0), (l1, g1) = _grads(per_call), _grads(laid)
+    assert l0 == l1
+    assert all(torch.equal(g0[k], g1[k]) for k in g0), [k for k in g0 if not torch.equal(g0[k], g1[k])][:3]
+
+
+def test_a_group_that_cannot_be_laid_out_concatenates_per_call_and_says_so(tiny_model):
+    """A member weight that is not contiguous cannot be a view of one tensor: that group keeps the
+    per-call concatenation, with the same results, and the levers line counts it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def build(group: bool):
+        torch.manual_seed(0)
+        m = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.05)
+        up = m.base_model.model.model.layers[0].mlp.up_proj.get_base_layer().weight
+        up.data = up.data.t().contiguous().t()  # the same values, column-major
+        fused_lora.fuse_lora(m, True)
+        return m, (grouped.group_lora(m, True, True, 0.0) if group else None)
+
+    (plain, _), (grp, line) = build(False), build(True)
+    assert line.endswith("; 1 concatenate their weights per call)"), line
+    assert _group_of(grp, attr="gate_proj").w is None and _group_of(grp, 1, "gate_proj").w is not None
+    (l0, g0), (l1, g1) = _grads(plain), _grads(grp)
+    assert abs(l0 - l1) < 1e-5 * abs(l0)
+    rel, name = _worst(g0, g1)
+    assert rel < 1e-4, (name, rel)
+
+
+def test_a_weight_replaced_after_grouping_stops_the_forward(tiny_model):
+    """A group computes from its laid-out tensor: a member weight replaced after grouping (a
+    device move, a re-quantization) would be silently ignored, so the model refuses to run."""
+    m = _model(tiny_model, True)
+    w = m.base_model.model.model.layers[1].mlp.up_proj.get_base_layer().weight
+    w.data = w.data.clone()
+    with pytest.raises(RuntimeError, match=r"base weights of 1 groups \(gate_proj/up_proj, ...\) were replaced"):
+        m(input_ids=IDS)
+
+
 def test_grouped_under_eager_checkpointing_recomputes_the_group(tiny_model):
     """transformers' checkpointing (eager: presets A and B where compile is off) runs the layer's
     forward again in backward: the group computes again, with the same gradients."""
