@@ -144,6 +144,37 @@ def test_laid_out_nf4_groups_compute_what_the_per_call_concatenation_did(tiny_mo
     assert all(torch.equal(g0[k], g1[k]) for k in g0), [k for k in g0 if not torch.equal(g0[k], g1[k])][:3]
 
 
+@pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
+@pytest.mark.parametrize("once", [False, True], ids=["double-quant", "absmax_once"])
+def test_a_laid_out_group_dequantized_in_torch_ops_is_bitsandbytes_weight(tiny_model, monkeypatch, once):
+    """Inside a compiled layer with TUNELEDGER_DEQUANT=graph the laid-out weights go through
+    dequantize_in_graph as one tensor: the same bf16 weight as bitsandbytes' op, bit for bit."""
+    from tuneledger import nf4
+
+    m = _model(tiny_model, False, True)
+    if once:
+        nf4.absmax_once(m, True)
+    fused_lora.fuse_lora(m, True)
+    grouped.group_lora(m, True, True, 0.0)
+    g = _group_of(m, attr="gate_proj")
+    name = g.members[0].active_adapters[0]
+    flat, metas = [], []
+    for mem in g.members:
+        *ins, meta = fused_lora.base_weight_inputs(mem.get_base_layer())
+        flat += [mem.lora_A[name].weight, mem.lora_B[name].weight, *ins]
+        metas.append(meta)
+    members = grouped._members(tuple(flat), len(metas))
+    want = grouped._base(members, tuple(metas), g.w, g.absmax, g.layout)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setenv("TUNELEDGER_DEQUANT", "graph")
+    calls = []
+    in_graph = fused_lora.dequantize_in_graph
+    monkeypatch.setattr(fused_lora, "dequantize_in_graph", lambda *a: calls.append(a[0].shape) or in_graph(*a))
+    got = grouped._base(members, tuple(metas), g.w, g.absmax, g.layout)
+    assert calls == [g.w.shape]  # one call, on the whole laid-out tensor
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_a_group_that_cannot_be_laid_out_concatenates_per_call_and_says_so(tiny_model):
     """A member weight that is not contiguous cannot be a view of one tensor: that group keeps the
     per-call concatenation, with the same results, and the levers line counts it."""
