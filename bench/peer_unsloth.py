@@ -97,7 +97,7 @@ def profile_step(one_step, step: int, stem: Path) -> None:
     from tuneledger import profile
 
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         t0 = time.perf_counter()
         one_step()
         torch.cuda.synchronize()

@@ -215,14 +215,19 @@ def test_a_host_bound_verdict_names_the_opt_in_levers_the_run_could_take():
                                                   "model": {"levers": {**levers, "compile": "off"}}})
     assert untried_levers({**c, "config": {**qlora, "fsdp": "full_shard", "double_quantization": True}}) == [
         "grouped_lora=true", "drop_padding_mask=true"]
-    assert untried_levers({**c, "packing": True, "config": {**qlora, "quantization_bit": None, "grouped_lora": True}}) == []
+    assert untried_levers({**c, "packing": True, "config": {**qlora, "quantization_bit": None},
+                           "model": {"levers": {**levers, "grouped_lora": "on (56 groups of 140 projections)"}}}) == []
+    # Unset (on where it applies, since 2026-12-06): what the levers line says ran is what counts.
+    ran = {**levers, "grouped_lora": "on (56 groups)", "absmax_once": "on (196 weights)", "drop_padding_mask": "on (right padding)"}
+    unset = {**qlora, "grouped_lora": None, "absmax_once": None, "drop_padding_mask": None}
+    assert untried_levers({**c, "config": unset, "model": {"levers": ran}}) == []
     assert untried_levers({}) == []
     host = {"util_mean_pct": 59, "mem_peak_frac": 0.22, "allreduce_share": 0.0, "data_wait_share": 0.01,
             "micro_batch": 2, "gradient_checkpointing": False, "mfu": 0.196}
     d = diagnose({**host, "untried_levers": untried_levers(c)})
     assert d["bottleneck"] == "host-bound"
     assert "`tuneledger tune --levers grouped_lora=true+absmax_once=true+drop_padding_mask=true`" in d["lever"]
-    assert "opt-in" not in diagnose(host)["lever"]
+    assert "launch levers" in d["lever"] and "launch levers" not in diagnose(host)["lever"]
 
 
 def test_a_memory_bound_verdict_names_swiglu_recompute_before_checkpointing():

@@ -202,14 +202,19 @@ def test_a_group_that_cannot_be_laid_out_concatenates_per_call_and_says_so(tiny_
     assert rel < 1e-4, (name, rel)
 
 
-def test_a_weight_replaced_after_grouping_stops_the_forward(tiny_model):
+def test_a_weight_replaced_after_grouping_is_laid_out_again_before_the_forward(tiny_model):
     """A group computes from its laid-out tensor: a member weight replaced after grouping (a
-    device move, a re-quantization) would be silently ignored, so the model refuses to run."""
-    m = _model(tiny_model, True)
-    w = m.base_model.model.model.layers[1].mlp.up_proj.get_base_layer().weight
-    w.data = w.data.clone()
-    with pytest.raises(RuntimeError, match=r"base weights of 1 groups \(gate_proj/up_proj, ...\) were replaced"):
-        m(input_ids=IDS)
+    device move: transformers' Trainer does one) must not leave the group computing with the old
+    one. The next forward lays that group out again, from the weights the members hold now."""
+    grp, plain = _model(tiny_model, True), _model(tiny_model, False)
+    for m in (grp, plain):
+        w = m.base_model.model.model.layers[1].mlp.up_proj.get_base_layer().weight
+        w.data = w.data.clone() * 2  # new storage and new values
+    g = _group_of(grp, 1, "gate_proj")
+    assert grouped.stale_layouts([g]) == ["gate_proj/up_proj"]
+    with torch.no_grad():
+        assert torch.allclose(grp(input_ids=IDS).logits, plain(input_ids=IDS).logits, atol=1e-5)
+    assert grouped.stale_layouts([g]) == [] and _views_of_one_tensor(g)
 
 
 def test_grouped_under_eager_checkpointing_recomputes_the_group(tiny_model):
@@ -290,8 +295,13 @@ def test_checkpointing_inside_compiled_layers_rules_out_the_preset_before_any_ra
 
 
 def test_grouped_lora_is_refused_where_it_would_change_the_result(tiny_model):
-    with pytest.raises(ValueError, match="lora_dropout > 0"):
+    """true where it cannot apply is refused, naming why; unset (None) is off there, with the same why."""
+    with pytest.raises(ValueError, match="grouped_lora: true needs lora_dropout 0"):
         _model(tiny_model, True, dropout=0.05)
+    assert grouped.group_lora(_model(tiny_model, False), None, True, 0.05) == "off (needs lora_dropout 0)"
+    assert grouped.group_lora(_model(tiny_model, False), None, False, 0.0) == "off (needs the fused LoRA projection)"
+    assert (grouped.group_lora(_model(tiny_model, False), None, True, 0.0, compiled_checkpoint=True)
+            == "off (gradient checkpointing inside compiled layers)")
     with pytest.raises(ValueError, match="needs the fused LoRA projection"):
         grouped.group_lora(_model(tiny_model, False), True, False, 0.0)
     assert grouped.group_lora(_model(tiny_model, False), False, True, 0.0) == "off"
@@ -301,21 +311,26 @@ def test_grouped_lora_is_refused_where_it_would_change_the_result(tiny_model):
     m.base_model.model.model.layers[0].self_attn.k_proj.get_base_layer().bias.requires_grad_(True)
     with pytest.raises(ValueError, match="a base bias is trained"):
         grouped.group_lora(m, True, True, 0.0)
+    assert grouped.group_lora(m, None, True, 0.0).startswith("off (a base bias is trained")
 
 
-def test_the_ledger_names_grouped_lora_only_when_asked(tiny_model):
+def test_the_ledger_names_grouped_lora_on_where_it_applies_and_off_where_asked(tiny_model):
     from tuneledger.config import ConfigError
     from tuneledger.model import PreflightError, load_model
 
-    base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4}
-    assert "grouped_lora" not in load_model(load_config(None, base), "cpu")[1]["levers"]
-    model, info = load_model(load_config(None, {**base, "grouped_lora": True}), "cpu")
+    base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4, "lora_dropout": 0}
+    model, info = load_model(load_config(None, base), "cpu")  # unset: on where it applies
     layers = model.config.num_hidden_layers
+    assert info["levers"]["grouped_lora"] == f"on ({2 * layers} groups of {5 * layers} projections: q/k/v and gate/up)"
+    assert load_model(load_config(None, {**base, "grouped_lora": False}), "cpu")[1]["levers"]["grouped_lora"] == "off"
+    assert (load_model(load_config(None, {**base, "lora_dropout": 0.1}), "cpu")[1]["levers"]["grouped_lora"]
+            == "off (needs lora_dropout 0)")
+    model, info = load_model(load_config(None, {**base, "grouped_lora": True}), "cpu")
     assert info["levers"]["grouped_lora"] == f"on ({2 * layers} groups of {5 * layers} projections: q/k/v and gate/up)"
     with pytest.raises(ConfigError, match="grouped_lora: true needs lora_dropout 0 \\(it is 0.1\\)"):
         load_config(None, {**base, "grouped_lora": True, "lora_dropout": 0.1})  # bad input: refused as it loads
     # and the model's own guard, for a config built around the validation (model_copy does not validate)
-    with pytest.raises(PreflightError, match="grouped_lora: true cannot apply: lora_dropout"):
+    with pytest.raises(PreflightError, match="grouped_lora: true needs lora_dropout 0"):
         load_model(load_config(None, {**base, "grouped_lora": True}).model_copy(update={"lora_dropout": 0.1}), "cpu")
 
 

@@ -50,11 +50,11 @@ def test_fused_projection_unchanged_and_the_line_says_so(tiny_model):
     assert nf4.absmax_once(m1, True) == "off (no double-quantized weight)"
 
 
-def test_off_unless_asked_and_never_on_preset_f(tiny_model):
+def test_on_where_it_applies_unless_set_false_and_never_on_preset_f(tiny_model):
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(tiny_model)
-    assert nf4.absmax_once(m, None) == "off"
+    assert nf4.absmax_once(m, None) == "off (no double-quantized weight)"
     assert nf4.absmax_once(m, False) == "off"
     assert nf4.absmax_once(m, True, sharded=True).startswith("off (preset F")
     assert nf4.absmax_once(m, True) == "off (no double-quantized weight)"
@@ -63,7 +63,7 @@ def test_off_unless_asked_and_never_on_preset_f(tiny_model):
 def test_absmax_once_is_a_config_key():
     cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "absmax_once": True})
     assert cfg.absmax_once is True
-    assert load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]}).absmax_once is False
+    assert load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]}).absmax_once is None  # where it applies
 
 
 @needs_bnb

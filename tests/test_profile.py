@@ -33,7 +33,8 @@ def test_summary_splits_the_step_and_counts_the_host_side():
           {"name": "cudaMemcpyAsync", "kind": "runtime", "dur_us": 9, "self_us": 9},
           {"name": "cudaMemcpyAsync", "kind": "runtime", "dur_us": 9, "self_us": 9},
           {"name": "aten::mm", "kind": "cpu_op", "dur_us": 40, "self_us": 30},
-          {"name": "aten::mm", "kind": "cpu_op", "dur_us": 40, "self_us": 30}]
+          {"name": "aten::mm", "kind": "cpu_op", "dur_us": 40, "self_us": 30},
+          {"name": "aten::copy_", "kind": "cpu_op", "dur_us": 4, "self_us": 3, "shapes": "[[8, 64], [8, 64], []]"}]
     s = profile.summarize(ev, wall_s=0.5)
     assert s["categories"] == {"matmul": 0.3, "attention": 0.1}
     assert abs(s["idle_s"] - 0.1) < 1e-9 and abs(s["idle_share"] - 0.2) < 1e-9
@@ -44,6 +45,7 @@ def test_summary_splits_the_step_and_counts_the_host_side():
     md = profile.markdown(s, 5)
     assert "| matmul | 300.0 | 60.0% |" in md and "| idle | 100.0 | 20.0% |" in md and "2 kernel launches, 3 host syncs (cudaMemcpyAsync 2, cudaStreamSynchronize 1)" in md
     assert "| gemm_a | matmul | 300.0 | 1 |" in md
+    assert s["copies"] == [("aten::copy_ [[8, 64], [8, 64], []]", 1)] and "| aten::copy_ [[8, 64], [8, 64], []] | 1 |" in md
 
 
 def test_callback_profiles_only_its_step(tmp_path):
@@ -56,4 +58,13 @@ def test_callback_profiles_only_its_step(tmp_path):
         cb.on_step_end(None, state, None)
     s = json.loads((tmp_path / "profile-step2.json").read_text())
     assert s["wall_s"] > 0 and any(n.startswith("aten::") for n, _, _ in s["top_cpu_ops"])
+    b = a.t()
+    for step in range(3, 5):  # a copy on the profiled step is listed with its shapes
+        cb = profile.StepProfile(4, tmp_path / "copies")
+        state = SimpleNamespace(global_step=step)
+        cb.on_step_begin(None, state, None)
+        b.contiguous()
+        cb.on_step_end(None, state, None)
+    c = json.loads((tmp_path / "copies" / "profile-step4.json").read_text())["copies"]
+    assert any(n.startswith("aten::copy_ [[64, 64], [64, 64]") for n, _ in c), c
     assert [p.name for p in tmp_path.iterdir()] and len(list(tmp_path.glob("profile-step*.json"))) == 1

@@ -95,10 +95,10 @@ def test_the_levers_are_tried_on_the_pick_in_what_is_left_of_the_budget(tmp_path
     assert both[1].status == "measured" and ran == [(len(space) + 2, both[1].short)]
     n = len(space) + 2  # the variant not measured keeps its number in the progress lines, with why
     assert f"tune [{len(space) + 1}/{n}] {both[0].short}: not measured: nothing is compiled here" in capsys.readouterr().out
-    same = tune.try_levers(space, [{"grouped_lora": "false"}, {"grouped_lora": "false", "absmax_once": "true"}],
+    same = tune.try_levers(space, [{"compile_cpp_wrapper": "false"}, {"compile_cpp_wrapper": "false", "absmax_once": "true"}],
                            info, items, args, True, 1, tmp_path, None, 80.0)  # the job's own value: nothing to measure
     assert same[0].status == same[1].status == "not measured" and len(ran) == 1
-    assert same[0].reason == "the job already runs with grouped_lora=false" and "absmax_once" in same[1].reason
+    assert same[0].reason == "the job already runs with compile_cpp_wrapper=false" and "absmax_once" in same[1].reason
     monkeypatch.undo()
     info["elapsed_s"] = 100.0
     late = tune.try_levers(space, [{"grouped_lora": "true"}], info, items, args, False, 1, tmp_path, 60.0, 80.0)
@@ -180,7 +180,7 @@ def test_tune_on_the_cpu_ranks_measured_candidates_and_picks_the_fastest(tmp_pat
 @pytest.mark.slow  # the four presets and one variant: short dry-runs, about 2 minutes on 2 cores
 def test_levers_measure_the_pick_again_with_each_setting(tmp_path, tiny_model):
     p = tl("tune", *job(tmp_path, tiny_model), "--micro-batches", "1", "--gc", "on", "--packing", "off", "--nproc", "1",
-           "--cpu", "--levers", "grouped_lora=true", "lora_dropout=0", "dryrun_steps=4", "dryrun_warmup_steps=1")
+           "--cpu", "--levers", "grouped_lora=false", "lora_dropout=0", "dryrun_steps=4", "dryrun_warmup_steps=1")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     tune = tmp_path / "run" / "tune"
     led = json.loads((tune / "tune.json").read_text())
@@ -188,17 +188,18 @@ def test_levers_measure_the_pick_again_with_each_setting(tmp_path, tiny_model):
     assert len(space) == 4 and all(c["presets"] and not c["levers"] for c in space)  # A-D only
     order = [c["short"] for c in space if c["status"] == "measured"]
     space_pick = max((c for c in space if c["status"] == "measured"), key=lambda c: c["result"]["tokens_per_s"])
-    assert variant["levers"] == {"grouped_lora": "true"} and variant["status"] == "measured", variant
+    assert variant["levers"] == {"grouped_lora": "false"} and variant["status"] == "measured", variant
     # the variant is a pick of the space (the fastest, or one tied with it) with the lever on, and it ran with it
     assert (variant["micro_batch"], variant["gradient_checkpointing"], variant["packing"]) in {
         (c["micro_batch"], c["gradient_checkpointing"], c["packing"]) for c in space if c["status"] == "measured"}
-    assert variant["result"]["levers"]["grouped_lora"].startswith("on (")
-    assert "grouped_lora" not in str(space_pick["result"]["levers"])
+    # grouped_lora is on where it applies (lora_dropout 0 here): the variant measures the pick without it
+    assert variant["result"]["levers"]["grouped_lora"] == "off"
+    assert space_pick["result"]["levers"]["grouped_lora"].startswith("on (")
     assert (tune / "cand-5" / "dryrun.json").is_file() and "tune [5/5]" in p.stdout
-    assert "with each of grouped_lora=true" in p.stdout and led["levers_tried"] == ["grouped_lora=true"]
+    assert "with each of grouped_lora=false" in p.stdout and led["levers_tried"] == ["grouped_lora=false"]
     assert set(led["ranking"]["order"]) == {*order, variant["short"]}
-    assert ("grouped_lora: true" in led["snippet"]) == (led["ranking"]["pick"] == variant["short"])
-    assert "then the pick with each of: grouped_lora=true" in (tune / "tune.md").read_text()
+    assert ("grouped_lora: false" in led["snippet"]) == (led["ranking"]["pick"] == variant["short"])
+    assert "then the pick with each of: grouped_lora=false" in (tune / "tune.md").read_text()
 
 
 def test_preset_f_is_refused_before_any_run(tmp_path):

@@ -69,18 +69,22 @@ class JobConfig(BaseModel):
     # inductor's C++ wrapper for the compiled layers: less Python per kernel launch. Off by default:
     # +4.8-9.5% on host-bound C in one H200 call, but a 4x cold compile (104 s) and unmeasured on D (docs/speed.md)
     compile_cpp_wrapper: bool = False
-    # q/k/v and gate/up LoRA projections as one fused projection each (grouped.py): fewer kernel
-    # launches for host-bound presets. Off until measured on a GPU; needs fused_lora and lora_dropout 0
-    grouped_lora: bool = False
+    # The three launch levers for host-bound presets (A-C), measured together on preset C: on one
+    # H100 +53% tokens/s over the defaults of then (bench/results/h100-2026-12-05-call1), and no
+    # change on D (h100-2026-12-06b-call1). null: on where it applies; false: off.
+    # q/k/v and gate/up LoRA projections as one fused projection each (grouped.py), their base
+    # weights laid out as one tensor: fewer launches. Applies with fused_lora, lora_dropout 0 and no
+    # checkpointing inside compiled layers
+    grouped_lora: bool | None = None
     # double quantization's absmax dequantized once at load (nf4.py): one kernel per weight
-    # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B. Off until measured
-    absmax_once: bool = False
+    # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B
+    absmax_once: bool | None = None
     # LLaMA-Factory's key: Unsloth's FastLanguageModel as the model backend where Unsloth is installed
     # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above
     use_unsloth: bool = False
     # padded micro-batches train without their attention mask (right padding makes causal attention
-    # alone exact: trainer.padding_mask_lever), so SDPA runs its flash kernel. Off until measured
-    drop_padding_mask: bool = False
+    # alone exact: trainer.padding_mask_lever), so SDPA runs its flash kernel. null: on for right-padded rows
+    drop_padding_mask: bool | None = None
     # the MLP's down_proj input silu(gate) x up remade in backward from gate and up, not kept
     # (swiglu.py): T x intermediate values per layer less memory without checkpointing. On an H100:
     # C 17.2 -> 15.2 GiB for 0.5% of the mean step, D 33.3 -> 27.7 GiB for 1.0%, the same losses

@@ -214,7 +214,7 @@ def _host_lever(mb: Any, gc: Any, mem_note: str, untried: list[str] | None = Non
         levers.append("gradient checkpointing off (recomputation repeats the launches: 1.7-1.9x per step on an H200)")
     if untried:
         # Fewer launches per step, the same loss; measured together on preset C (docs/measurements.md).
-        levers.append(f"the opt-in levers {' '.join(untried)} (grouped_lora, absmax_once and drop_padding_mask together: "
+        levers.append(f"the launch levers {' '.join(untried)} (off in this run; grouped_lora, absmax_once and drop_padding_mask together: "
                       f"preset C +53% on an H100; `tuneledger tune --levers {'+'.join(untried)}` measures them here)")
     levers.append("compiled or CUDA-graphed steps")
     return ", ".join(levers[:-1]) + ", or " + levers[-1]
@@ -233,18 +233,24 @@ def memory_levers(row: dict) -> list[str]:
 
 
 def untried_levers(row: dict) -> list[str]:
-    """The opt-in speed levers (docs/speed.md) that a dry-run row ran without and could take,
-    as "key=true", from its config and its `model.levers` line: absmax_once (double-quantized
-    4-bit weights, not sharded), drop_padding_mask (padded rows), grouped_lora (lora_dropout 0, the
-    fused LoRA projection on, and no checkpointing inside compiled layers). [] when none."""
+    """The launch levers (docs/speed.md; on where they apply since 2026-12-06) that a dry-run row
+    ran without and could take, as "key=true", from its config and its `model.levers` line (a
+    lever runs when its line starts with "on"; a ledger from before names none): absmax_once
+    (double-quantized 4-bit weights, not sharded), drop_padding_mask (padded rows), grouped_lora
+    (lora_dropout 0, the fused LoRA projection on, and no checkpointing inside compiled layers).
+    [] when none."""
     cfg, levers = row.get("config") or {}, (row.get("model") or {}).get("levers") or {}
     compiled = str(levers.get("compile", "")).startswith("on")
+
+    def ran(key: str) -> bool:
+        return str(levers.get(key, "")).startswith("on")
+
     out = []
-    if (not cfg.get("grouped_lora") and cfg.get("lora_dropout") == 0 and str(levers.get("fused_lora", "")).startswith("on")
+    if (not ran("grouped_lora") and cfg.get("lora_dropout") == 0 and ran("fused_lora")
             and not (row.get("gradient_checkpointing") and compiled)):
         out.append("grouped_lora=true")
-    if not cfg.get("absmax_once") and absmax_once_applies(cfg.get("quantization_bit"), cfg.get("double_quantization"), cfg.get("fsdp")):
+    if not ran("absmax_once") and absmax_once_applies(cfg.get("quantization_bit"), cfg.get("double_quantization"), cfg.get("fsdp")):
         out.append("absmax_once=true")
-    if not cfg.get("drop_padding_mask") and row.get("packing") is False:
+    if not ran("drop_padding_mask") and row.get("packing") is False:
         out.append("drop_padding_mask=true")
     return out

@@ -157,7 +157,7 @@ def plan(items: list[str], names: list[str], world: int, device_type: str = "cud
     for name in names:
         try:
             cfg = resolve(preset_config(items, name), world)
-            if cfg.grouped_lora:  # torch is imported only for a lever that needs the check
+            if cfg.grouped_lora:  # true only (unset runs where it applies): torch is imported only for a lever that needs the check
                 from tuneledger.speed import check_preset_levers
                 check_preset_levers(cfg, device_type, name)
             unsloth_backend.check_preset(cfg, device_type, name)  # D packs, F shards: per resolved preset

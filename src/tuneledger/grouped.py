@@ -200,8 +200,8 @@ def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, t
 
 def stale_layouts(groups: list) -> list[str]:
     """The groups (_Group) whose members' base weights are no longer views of the group's laid-out
-    tensor (something replaced them after grouping: a device move, a re-quantization, FSDP), by
-    their projections' names. Such a group would compute with the old weights."""
+    tensor (something replaced them after grouping: a device move, a re-quantization), by their
+    projections' names. Such a group would compute with the old weights until laid out again."""
     out = []
     for g in groups:
         if g.w is None:
@@ -214,14 +214,16 @@ def stale_layouts(groups: list) -> list[str]:
 
 
 def layout_check(groups: list):
-    """A forward pre-hook for the model that refuses to run (RuntimeError) once stale_layouts finds
-    a group; a few hundred pointer reads per micro-batch on the host."""
+    """A forward pre-hook for the model: a group whose members' weights were replaced since they
+    were laid out (stale_layouts: transformers' Trainer moves the model with `.to(device)`, which
+    on CPU gave the parameters new storage) is laid out again from the weights the members hold
+    now, so a group never computes with old ones. A few hundred pointer reads per micro-batch on
+    the host; the new layout once, where it happened."""
     def check(module: Any, args: tuple) -> None:
-        stale = stale_layouts(groups)
-        if stale:
-            raise RuntimeError(f"grouped_lora: the base weights of {len(stale)} groups ({stale[0]}, ...) were replaced "
-                               "after they were laid out as one tensor each, so the groups would compute with the old "
-                               "weights. Move or re-quantize the model before grouping, or set grouped_lora=false")
+        if stale_layouts(groups):
+            for g in groups:
+                if g.w is not None and stale_layouts([g]):
+                    g.w, g.absmax, g.layout = lay_out(g.members)
     return check
 
 
@@ -272,19 +274,29 @@ def group_blocker(members: tuple, lora_dropout: float) -> str | None:
     return None
 
 
-def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> str:
+def group_lora(model: Any, wanted: bool | None, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> str:
     """Run each decoder layer's q/k/v and gate/up LoRA projections as one GroupedLoraProjection
-    each. `wanted`: the config's grouped_lora; `fused`: whether fused_lora.fuse_lora is on (the group
-    stands in for the fused projection); `compiled_checkpoint`: whether gradient checkpointing
-    will run inside compiled layers (compiled.checkpoint_inside). Returns the ledger's line;
-    raises ValueError when wanted and it cannot apply (fused_lora off, lora_dropout > 0,
-    checkpointing inside compiled layers, mismatched projections)."""
-    if not wanted:
+    each. `wanted`: the config's grouped_lora (None: where it applies); `fused`: whether
+    fused_lora.fuse_lora is on (the group stands in for the fused projection);
+    `compiled_checkpoint`: whether gradient checkpointing will run inside compiled layers
+    (compiled.checkpoint_inside). Returns the ledger's line, "off (why)" where None cannot apply;
+    raises ValueError when True cannot apply (fused_lora off, lora_dropout > 0, checkpointing
+    inside compiled layers, mismatched projections)."""
+    if wanted is False:
         return "off"
+    why = None
     if not fused:
-        raise ValueError("grouped_lora: true needs the fused LoRA projection (fused_lora unset or true)")
-    if compiled_checkpoint:
-        raise ValueError(GROUPED_NEEDS_NO_COMPILED_CHECKPOINT)
+        why = "needs the fused LoRA projection (fused_lora unset or true)"
+    elif lora_dropout:
+        why = "needs lora_dropout 0 (a group would draw one dropout mask where peft draws one per projection)"
+    elif compiled_checkpoint:
+        if wanted:
+            raise ValueError(GROUPED_NEEDS_NO_COMPILED_CHECKPOINT)
+        return "off (gradient checkpointing inside compiled layers)"
+    if why:
+        if wanted:
+            raise ValueError(f"grouped_lora: true {why}")
+        return f"off ({why.split(' (')[0]})"
     from peft.tuners.lora import LoraLayer
 
     groups = []
@@ -294,9 +306,13 @@ def group_lora(model: Any, wanted: bool, fused: bool, lora_dropout: float, compi
             if all(isinstance(m, LoraLayer) for m in members):
                 why = group_blocker(members, lora_dropout)
                 if why:
-                    raise ValueError(f"grouped_lora: true cannot apply: {why}. Set grouped_lora=false")
+                    if wanted:
+                        raise ValueError(f"grouped_lora: true cannot apply: {why}. Set grouped_lora=false")
+                    return f"off ({why})"
                 groups.append((members, names))
     if not groups:
+        if not wanted:
+            return "off (no q/k/v or gate/up with LoRA on all its projections)"
         raise ValueError("grouped_lora: true, but no group has LoRA on all its projections: lora_target must cover "
                          "q_proj, k_proj and v_proj, or gate_proj and up_proj. Set grouped_lora=false")
     made = []

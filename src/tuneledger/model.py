@@ -199,12 +199,11 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    if cfg.absmax_once:  # named only when asked for (default off); before grouping, which lays the scales out
-        levers["absmax_once"] = nf4.absmax_once(model, True, cfg.sharded)
+    # Before grouping, which lays the plain scales out with the weights.
+    levers["absmax_once"] = nf4.absmax_once(model, cfg.absmax_once, cfg.sharded)
     levers["fused_lora"] = _lever(fused_lora.fuse_lora, model, wanted["fused_lora"])
-    if wanted["grouped_lora"]:  # the ledger line names it only when asked for (default off, not yet measured)
-        levers["grouped_lora"] = _lever(grouped.group_lora, model, True, levers["fused_lora"].startswith("on"),
-                                        cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))
+    levers["grouped_lora"] = _lever(grouped.group_lora, model, wanted["grouped_lora"], levers["fused_lora"].startswith("on"),
+                                    cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))
     levers["swiglu_recompute"] = _lever(swiglu.recompute_swiglu, model, cfg.swiglu_recompute,
                                         levers["fused_lora"].startswith("on"), cfg.gradient_checkpointing)
     levers["compile"] = _lever(compiled.compile_layers, model, wanted["torch_compile"], device.type,

@@ -45,10 +45,10 @@ def unnest(qs: Any) -> int:
 
 
 def absmax_once(model: Any, wanted: bool | None, sharded: bool = False) -> str:
-    """Apply the lever to every double-quantized weight of `model` when `wanted` is True (None
-    and False: off; the default is off until an H200 call measures it). Returns the ledger's line.
+    """Apply the lever to every double-quantized weight of `model` unless `wanted` is False (None,
+    the default: wherever there is one; True: the same, it never refuses). Returns the ledger's line.
     Preset F is left alone: FSDP2 shards the quant states with the weights."""
-    if not wanted:
+    if wanted is False:
         return "off"
     if sharded:
         return "off (preset F: FSDP2 shards the quant states)"

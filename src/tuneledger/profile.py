@@ -29,6 +29,7 @@ CATEGORIES = (
     ("fused Triton", ("_kernel",)),  # Liger's own kernel names (_rms_norm_forward_kernel, ...)
 )
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # + cudaMemcpyAsync
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
@@ -45,7 +46,9 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     """One step's split. events: {"name", "kind" ("kernel" | "runtime" | "cpu_op"), "dur_us",
     "self_us"}; wall_s: the step's wall time (s). Returns {"wall_s", "kernel_s", "categories":
     {name: s}, "idle_s", "idle_share", "launches", "syncs", "sync_calls": {runtime call: count},
-    "top_cpu_ops": [(name, self s, calls)], "top_kernels": [(category, name, GPU s, calls)]}. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
+    "top_cpu_ops": [(name, self s, calls)], "top_kernels": [(category, name, GPU s, calls)],
+    "copies": [(op and its input shapes, calls)]}: aten::copy_, clone and contiguous by shape (an
+    event's optional "shapes", from a profile with record_shapes), to find where device copies come from. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
     host waits; the profiler does not say which way a copy went); sync_calls tells the kinds apart.
     Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
     cats: dict[str, float] = {}
@@ -53,6 +56,7 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     sync_calls: dict[str, int] = {}
     ops: dict[str, list] = {}
     kernels: dict[str, list] = {}
+    copies: dict[str, int] = {}
     for e in events:
         if e["kind"] == "kernel":
             c = category(e["name"])
@@ -66,6 +70,9 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
                 syncs += 1
                 sync_calls[e["name"]] = sync_calls.get(e["name"], 0) + 1
         else:
+            if e["name"] in COPY_OPS:
+                key = f"{e['name']} {e.get('shapes', '')}".strip()
+                copies[key] = copies.get(key, 0) + 1
             o = ops.setdefault(e["name"], [0.0, 0])
             o[0] += e["self_us"] / 1e6
             o[1] += 1
@@ -76,7 +83,8 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
             "sync_calls": dict(sorted(sync_calls.items(), key=lambda kv: -kv[1])),
             "top_cpu_ops": sorted(((n, s, c) for n, (s, c) in ops.items()), key=lambda t: -t[1])[:top],
             # Which kernels a category's time is: two engines' tables compare kernel by kernel.
-            "top_kernels": sorted(((category(n), n, s, c) for n, (s, c) in kernels.items()), key=lambda t: -t[2])[:top]}
+            "top_kernels": sorted(((category(n), n, s, c) for n, (s, c) in kernels.items()), key=lambda t: -t[2])[:top],
+            "copies": sorted(copies.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def markdown(s: dict, step: int) -> str:
@@ -94,6 +102,9 @@ def markdown(s: dict, step: int) -> str:
     if s.get("top_kernels"):
         lines += ["", "| GPU kernel | category | ms | calls |", "| --- | --- | --- | --- |"]
         lines += [f"| {n[:100]} | {cat} | {sec * 1e3:.1f} | {c} |" for cat, n, sec, c in s["top_kernels"]]
+    if s.get("copies"):
+        lines += ["", "| copy op (input shapes) | calls |", "| --- | --- |"]
+        lines += [f"| {n[:140]} | {c} |" for n, c in s["copies"]]
     return "\n".join(lines) + "\n"
 
 
@@ -107,7 +118,10 @@ def events(prof: Any) -> list[dict]:
         elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
             out.append({"name": e.name, "kind": "runtime", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total})
         else:
-            out.append({"name": e.name, "kind": "cpu_op", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total})
+            d = {"name": e.name, "kind": "cpu_op", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total}
+            if e.name in COPY_OPS and getattr(e, "input_shapes", None):
+                d["shapes"] = str(e.input_shapes)
+            out.append(d)
     return out
 
 
@@ -127,7 +141,8 @@ class StepProfile(TrainerCallback):
         self.cuda = torch.cuda.is_available()
         if self.cuda:
             torch.cuda.synchronize()
-        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []))
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
+                            record_shapes=True)
         self.prof.__enter__()
         self.t0 = time.perf_counter()
 

@@ -273,7 +273,7 @@ def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
     same attention. Without a padding mask transformers skips its all-ones check (a host sync) and
     SDPA runs is_causal, its flash kernel, instead of the masked memory-efficient one. Pad
     positions then attend to the tokens before them; their outputs are never supervised (label -100)."""
-    if not cfg.drop_padding_mask:
+    if cfg.drop_padding_mask is False:
         return False, "off"
     if cfg.packing:
         return False, "off (packed rows carry no padding mask)"

@@ -145,7 +145,8 @@ def lever_variants(pick: Candidate, levers: list[dict[str, str]]) -> list[Candid
 # The levers whose config default is None (auto: on where it applies), each with its line in the
 # dry-run ledger's model.levers ("on (...)" or "off (...)"): what the auto value came to.
 AUTO_LEVER_LINES = {"enable_liger_kernel": "liger", "fused_lora": "fused_lora", "torch_compile": "compile",
-                    "swiglu_recompute": "swiglu_recompute"}
+                    "swiglu_recompute": "swiglu_recompute", "grouped_lora": "grouped_lora", "absmax_once": "absmax_once",
+                    "drop_padding_mask": "drop_padding_mask"}
 
 
 def already_runs(key: str, text: str, value: Any, own: Any, ran: dict | None) -> str | None:

@@ -125,8 +125,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
 
         info["levers"]["sharding"] = sharding_line(args)
     drop_mask, line = padding_mask_lever(cfg, tokenizer)
-    if cfg.drop_padding_mask:  # named only when asked for (default off until measured)
-        info["levers"]["drop_padding_mask"] = line
+    info["levers"]["drop_padding_mask"] = line
     trainer = LedgerTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds if mode == "train" else None,
                             data_collator=make_collator(cfg, tokenizer, info["attention"]), processing_class=tokenizer,
                             callbacks=[timer, *([stopper] if stopper else []), guard, seal],
