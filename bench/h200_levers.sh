@@ -90,6 +90,7 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     fastcpp) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true compile_cpp_wrapper=true";;
     lean) o="$AUTO swiglu_recompute=true";;   # the MLP's down_proj input remade in backward, not kept (swiglu.py): memory
     keep) o="$AUTO swiglu_recompute=false";;   # A/B against the default since 2026-12-06: the MLP's input kept
+    cudnn) o="$AUTO";;   # A/B: cuDNN's SDPA left on (TUNELEDGER_CUDNN_SDPA=1; off by default: host cost per shape)
     fastgraph) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true";;   # Cfast, NF4 dequantized in the compiled graph
     fastlean) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true swiglu_recompute=true";;
     unsl) o="$AUTO use_unsloth=true packing=false";;   # tuneledger's dry-run with Unsloth as the model backend (use_unsloth)
@@ -97,11 +98,11 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
     pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
-  case ${r:1} in graphdq|fastgraph) e="TUNELEDGER_DEQUANT=graph";; esac
+  case ${r:1} in graphdq|fastgraph) e="TUNELEDGER_DEQUANT=graph";; cudnn) e="TUNELEDGER_CUDNN_SDPA=1";; esac
   return 0
 }
 for r in $RUNS; do
