@@ -226,7 +226,7 @@ tune: $(ENV_DEP) $(MODEL_DEP) ## the fastest micro-batch x GC x packing that fit
 	$(strip $(TL) tune $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(if $(BUDGET),--budget $(BUDGET)) $(OVERRIDES))$(WITH_ARGS)
 
 whatif: $(ENV_DEP) ## predict RUN's dry-run on other GPUs: s/step, tokens/s, memory, 24 GB fit, ETA (ARGS="--gpus 8xH100-sxm")
-	$(strip $(TL) whatif $(RUN_DIR)/dryrun.json --gpus 8x4090-pcie $(if $(PRESET),--preset $(PRESET)))$(WITH_ARGS)
+	$(strip $(TL) whatif $(RUN_DIR)/dryrun.json $(if $(findstring --gpus,$(ARGS)),,--gpus 8x4090-pcie) $(if $(PRESET),--preset $(PRESET)))$(WITH_ARGS)
 
 # The run of export, chat and eval: RUN (a path when it holds a /, else runs/RUN). Without RUN the
 # verb reads CONFIG itself (a LLaMA-Factory merge/inference/predict yaml, or a training config:

@@ -68,3 +68,21 @@ def test_json_list_records_are_named_by_line_and_number_from_1(tmp_path, monkeyp
     one = tmp_path / "one.json"
     one.write_text(json.dumps([{"instruction": "a", "output": "b"}] * 3))
     assert [w for w, _ in read_records(one)] == [f"{one}:1 (record {n})" for n in (1, 2, 3)]
+
+
+def test_an_option_given_twice_uses_the_last_and_says_so(capsys, monkeypatch):
+    """argparse kept the last of `--gpus A --gpus B` silently; every verb's value option now says so
+    (as a key=value given twice does), and the same value twice says nothing."""
+    from tuneledger import cli
+
+    cli.main(["whatif", "missing.json", "--gpus", "8x4090-pcie", "--gpus", "8xH100-sxm"])
+    err = capsys.readouterr().err
+    assert "note: --gpus is given twice on the command line ('8x4090-pcie', then '8xH100-sxm'): the last one is used" in err
+    cli.main(["whatif", "missing.json", "--gpus", "8xH100-sxm", "--gpus", "8xH100-sxm"])
+    assert "given twice" not in capsys.readouterr().err
+    from tuneledger import whatif
+
+    seen = []
+    monkeypatch.setattr(whatif, "run", lambda a: seen.append(dict(vars(a))) or 0)
+    assert cli.main(["whatif", "x.json", "--gpus", "8x4090-pcie", "--gpus", "8xH100-sxm"]) == 0
+    assert seen[0]["gpus"] == "8xH100-sxm" and "_given" not in seen[0]  # the verb sees the last value, no bookkeeping

@@ -77,6 +77,9 @@ def test_a_key_given_twice_on_the_command_line_uses_the_last_and_says_so_once(ca
     assert parse_overrides(["max_steps=10", "max_steps=10"])["max_steps"] == 10  # the same value twice: nothing to say
     assert capsys.readouterr().err == ("note: max_steps is given twice on the command line ('5', then '10'): the last "
                                        "one is used\n")
+    assert parse_overrides(["max_steps=1", "max_steps=2", "max_steps=3"])["max_steps"] == 3  # one note, every value
+    assert capsys.readouterr().err == ("note: max_steps is given 3 times on the command line ('1', then '2', then '3'): "
+                                       "the last one is used\n")
 
 
 def test_bad_values_name_the_key():

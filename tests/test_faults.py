@@ -581,6 +581,22 @@ def test_preflight_counts_tokenizer_files_and_the_extra_checkpoint(tiny_model, t
     assert "3 checkpoints" in check_disk(cfg, config)
 
 
+def test_preflight_names_a_nearly_full_disk_in_mb(tiny_model, tmp_path, monkeypatch):
+    """Under 1 GB free the line says MB: "0.0 GB free" read as no room at all while the check passed."""
+    import shutil
+
+    from tuneledger import preflight_checks
+    from tuneledger.model import read_model_config
+
+    cfg = train_cfg(tmp_path / "run", model_name_or_path=str(tiny_model))
+    config = read_model_config(str(tiny_model))
+    one, _ = preflight_checks.checkpoint_estimate(cfg, config)
+    free = max(int(one * 4 * 1.1) + 1, 40_000_000)
+    monkeypatch.setattr(preflight_checks.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - free, free))
+    line = preflight_checks.check_disk(cfg, config)
+    assert line.startswith(f"disk: {free / 1e6:.0f} MB free at ") and free < 1e9, line
+
+
 # ------------------------------------------------------------------- item 9: the grace period
 STUBBORN_PARENT = textwrap.dedent("""
     import subprocess, sys, time

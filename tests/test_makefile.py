@@ -242,3 +242,11 @@ def test_local0_with_the_engine_down_says_so_in_one_line(tmp_path, target):
     assert f"no Docker engine answers ({down}): start it (sudo systemctl start docker), or run in the host venv " \
            "with LOCAL=1." in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and "no image" not in p.stderr
+
+
+def test_whatif_passes_the_default_gpus_only_when_args_name_none(tmp_path):
+    """`make whatif ARGS="--gpus 8xH100-sxm"` gives whatif one --gpus, not the default and then the user's."""
+    own = verb_line(make_n("whatif", f"RUN={tmp_path}", "LOCAL=1", "ARGS=--gpus 8xH100-sxm").stdout, "whatif")
+    assert own.count("--gpus") == 1 and "--gpus 8xH100-sxm" in own, own
+    default = verb_line(make_n("whatif", f"RUN={tmp_path}", "LOCAL=1").stdout, "whatif")
+    assert default.count("--gpus") == 1 and "--gpus 8x4090-pcie" in default, default

@@ -38,7 +38,27 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # verb not built yet
             raise
         module.add_parser(sub)
+    for verb in sub.choices.values():
+        for action in verb._actions:
+            if type(action) is argparse._StoreAction and action.option_strings:
+                action.__class__ = StoreOnce
     return parser
+
+
+class StoreOnce(argparse._StoreAction):
+    """An option that takes a value (`--gpus 8x4090-pcie`), given twice with different values: the
+    last one is used, as argparse does, but said (a `key=value` given twice is said alike:
+    config_load.parse_overrides). build_parser makes every such option of every verb one of these
+    (`--preset` twice is refused: config_load). Which options were given rides on the namespace as
+    `_given`, dropped after parsing (main)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given", {})
+        if self.dest in given and given[self.dest] != values:
+            print(f"note: {option_string} is given twice on the command line ({given[self.dest]!r}, then {values!r}): "
+                  "the last one is used", file=sys.stderr)
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
 
 
 def merge_preset(args: argparse.Namespace) -> None:
@@ -104,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     stray = [e for e in extra if e.startswith("-") or not ("=" in e or e.endswith((".yaml", ".yml")))]
     if stray or (extra and not hasattr(args, "items")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    vars(args).pop("_given", None)
     if extra:
         args.items = list(args.items) + extra
     if not getattr(args, "func", None):

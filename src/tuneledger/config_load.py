@@ -62,17 +62,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     `placeholders.name=Ledgerly` needs no quoting in a shell or a Makefile.
     """
     out: dict[str, Any] = {}
-    given: dict[str, str] = {}
+    given: dict[str, list[str]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        if key in given and given[key] != raw:
-            # The last wins (make's variables come before ARGS, so ARGS can override them), but a key
-            # typed twice with two values is often a slip: say which value is used.
-            _note_once(f"note: {key} is given twice on the command line ({given[key]!r}, then {raw!r}): the last one is used")
-        given[key] = raw
+        given.setdefault(key, []).append(raw)
         if "." in key:
             top, sub = key.split(".", 1)
             entry = out.setdefault(top, {})
@@ -81,6 +77,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             entry[sub] = raw
         else:
             out[key] = _value(key, raw)
+    for key, raws in given.items():
+        if len(set(raws)) > 1:
+            # The last wins (make's variables come before ARGS, so ARGS can override them), but a key
+            # typed twice with two values is often a slip: say which value is used, once per key.
+            times = "twice" if len(raws) == 2 else f"{len(raws)} times"
+            _note_once(f"note: {key} is given {times} on the command line ({', then '.join(repr(r) for r in raws)}): "
+                       "the last one is used")
     return out
 
 

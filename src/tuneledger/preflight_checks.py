@@ -133,7 +133,9 @@ def check_disk(cfg: JobConfig, config: dict, dryrun: bool = False) -> str:
                              f"{why}) need {need:,} with 10% margin. Free space"
                              + ("" if dryrun else ", lower save_total_limit,") + " or set output_dir elsewhere")
     # room for the most checkpoints the folder holds at once, not the run's count of saves (the ledger's)
-    return (f"disk: {free / 1e9:.1f} GB free at {probe}; room for {plural(count, 'checkpoint')} at once ({why}) of "
+    # A nearly full disk in MB: "0.0 GB free" read as none at all.
+    free_text = f"{free / 1e9:.1f} GB" if free >= 1e9 else f"{free / 1e6:.0f} MB"
+    return (f"disk: {free_text} free at {probe}; room for {plural(count, 'checkpoint')} at once ({why}) of "
             f"{one / 1e6:.1f} MB ({basis}) needs ~{need / 1e9:.2g} GB")
 
 
