@@ -13,7 +13,8 @@ steady window (all optional; None = not measured):
     mfu                    model FLOPs utilisation, 0-1 (ledger.mfu)
     imbalance, util_spread_pts   from monitor.summary.summarize_window, to name a slow rank
                            (a spread above imbalance_util_pts counts as imbalance)
-    untried_levers         opt-in speed levers off that this run could take ("key=true", untried_levers):
+    untried_levers         launch levers (on by default where they apply) this run ran without and
+                           could take ("key=true", untried_levers):
                            named in a host-bound verdict's lever
     memory_levers          memory levers off that this run could take (memory_levers): named
                            first in a memory-bound verdict's lever, before checkpointing's recompute
