@@ -71,13 +71,14 @@ def run_preset(a, preset: str) -> dict:
         return step_loss
 
     wall, durations, losses = timed_steps(one_step, a.steps, a.warmup, tokens)
+    n_tokens = tokens.item()  # the timed window's: the profiled step below adds its own to the counter
     if a.profile:  # one more step, after the timed window, with tuneledger's own kernel-time table
         profile_step(one_step, a.warmup + a.steps + 1, Path(a.out).parent / f"profile-unsloth-{preset}")
     median = durations[len(durations) // 2]
     out = {"engine": "unsloth", "engine_version": getattr(unsloth, "__version__", "?"), "preset": preset,
            "micro_batch": micro, "accum": accum, "gc": gc, "packed": False, "lora_dropout": 0.0,
            "steps": a.steps, "warmup": a.warmup, "s_per_step": wall / a.steps, "s_per_step_median": median,
-           "tokens_per_s": tokens.item() / wall, "tokens_per_s_median": tokens.item() / a.steps / median,
+           "tokens_per_s": n_tokens / wall, "tokens_per_s_median": n_tokens / a.steps / median,
            "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20), "load_s": round(load_s, 1),
            "first_losses": losses, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "lora_r": a.lora_r}
