@@ -49,7 +49,10 @@ if [ "${GC_CHECK:-0}" != 0 ]; then   # checkpointing around or inside compiled l
   done
 fi
 JOB="$CONFIG model_name_or_path=$MODEL ${DATASET:+dataset=$DATASET} cache_dir=/tmp/cache dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP"
-PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false torch_compile=false lora_dropout=0"
+PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false torch_compile=false lora_dropout=0 absmax_once=false drop_padding_mask=false swiglu_recompute=false"
+# The launch levers (grouped_lora, absmax_once, drop_padding_mask) are on by default where they apply
+# since 2026-12-06: a row of one of them alone sets the other two false; *nolaunch has all three off.
+NOLAUNCH="grouped_lora=false absmax_once=false drop_padding_mask=false"
 AUTO="lora_dropout=0"
 table=()
 declare -A seen
@@ -81,11 +84,13 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     plain) o="$PLAIN";; auto) o="$AUTO";; drop) o="lora_dropout=0.05";;
     sdpa) o="$AUTO flash_attn=sdpa";; noliger) o="$AUTO enable_liger_kernel=false";; nofuse) o="$AUTO fused_lora=false";;
     compile) o="$AUTO torch_compile=true";; nocompile) o="$AUTO torch_compile=false";;
-    group) o="$AUTO grouped_lora=true";;   # q/k/v and gate/up as one projection each: fewer launches (grouped.py)
+    group) o="$AUTO grouped_lora=true absmax_once=false drop_padding_mask=false";;   # alone: q/k/v and gate/up as one projection each (grouped.py)
     cpp) o="$AUTO compile_cpp_wrapper=true";;   # inductor's C++ wrapper for the compiled layers: less Python per launch
-    absmax) o="$AUTO absmax_once=true";;   # double quantization's absmax dequantized once at load (nf4.py)
+    absmax) o="$AUTO absmax_once=true grouped_lora=false drop_padding_mask=false";;   # alone: absmax dequantized once at load (nf4.py)
     dq0) o="$AUTO double_quantization=false";;   # no double quantization: plain fp32 absmax (other quantized weights)
-    nomask) o="$AUTO drop_padding_mask=true";;   # padded rows without their attention mask: SDPA's causal flash kernel
+    nomask) o="$AUTO drop_padding_mask=true grouped_lora=false absmax_once=false";;   # alone: padded rows without their attention mask
+    nolaunch) o="$AUTO $NOLAUNCH";;   # the three launch levers off (the defaults before 2026-12-06)
+    nogroup) o="$AUTO grouped_lora=false";; noabsmax) o="$AUTO absmax_once=false";; keepmask) o="$AUTO drop_padding_mask=false";;
     fast) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true";;   # the opt-in levers together
     fastcpp) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true compile_cpp_wrapper=true";;
     lean) o="$AUTO swiglu_recompute=true";;   # the MLP's down_proj input remade in backward, not kept (swiglu.py): memory
@@ -98,7 +103,7 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
     pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"

@@ -221,6 +221,11 @@ def test_a_host_bound_verdict_names_the_opt_in_levers_the_run_could_take():
     ran = {**levers, "grouped_lora": "on (56 groups)", "absmax_once": "on (196 weights)", "drop_padding_mask": "on (right padding)"}
     unset = {**qlora, "grouped_lora": None, "absmax_once": None, "drop_padding_mask": None}
     assert untried_levers({**c, "config": unset, "model": {"levers": ran}}) == []
+    # A lever that said why it could not apply (auto) is not suggested: true would be refused or do nothing.
+    cannot = {**ran, "grouped_lora": "off (no q/k/v or gate/up with LoRA on all its projections)",
+              "drop_padding_mask": "off (padding on the left: the mask is needed)"}
+    assert untried_levers({**c, "config": unset, "model": {"levers": cannot}}) == []
+    assert untried_levers({**c, "config": unset, "model": {"levers": {**ran, "absmax_once": "off"}}}) == ["absmax_once=true"]
     assert untried_levers({}) == []
     host = {"util_mean_pct": 59, "mem_peak_frac": 0.22, "allreduce_share": 0.0, "data_wait_share": 0.01,
             "micro_batch": 2, "gradient_checkpointing": False, "mfu": 0.196}

@@ -109,11 +109,15 @@ def _views_of_one_tensor(g) -> bool:
 def test_groups_lay_their_weights_out_as_one_tensor(tiny_model):
     """Each group's base weights become views of one tensor (no copy kept), so a group reads its
     base without concatenating per call; q/k/v and gate/up both."""
+    before = _model(tiny_model, False)  # the same seed: the same base weights, not grouped
     m = _model(tiny_model, True)
     for attr in ("q_proj", "gate_proj"):
         g = _group_of(m, attr=attr)
         assert g.w is not None and g.layout is None and _views_of_one_tensor(g), attr
-        assert torch.equal(g.w, torch.cat([x.get_base_layer().weight for x in g.members]))
+        layer = before.base_model.model.model.layers[0]
+        names = g.names
+        mods = [getattr(layer.self_attn if n.endswith(("q_proj", "k_proj", "v_proj")) else layer.mlp, n) for n in names]
+        assert torch.equal(g.w, torch.cat([x.get_base_layer().weight for x in mods]))
 
 
 @pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
@@ -215,6 +219,18 @@ def test_a_weight_replaced_after_grouping_is_laid_out_again_before_the_forward(t
     with torch.no_grad():
         assert torch.allclose(grp(input_ids=IDS).logits, plain(input_ids=IDS).logits, atol=1e-5)
     assert grouped.stale_layouts([g]) == [] and _views_of_one_tensor(g)
+    # q/k/v carry Qwen2's biases: a re-layout takes them from the members too, and generate() (which
+    # peft sends to the causal LM, past its own forward) checks the layout as well.
+    for m in (grp, plain):
+        attn = m.base_model.model.model.layers[0].self_attn
+        attn.v_proj.get_base_layer().bias.data = attn.v_proj.get_base_layer().bias.data.clone() + 1
+        attn.v_proj.get_base_layer().weight.data = attn.v_proj.get_base_layer().weight.data.clone()
+    kw = {"input_ids": IDS[:1, :8], "max_new_tokens": 3, "do_sample": False, "output_logits": True,
+          "return_dict_in_generate": True}
+    with torch.no_grad():
+        a, b = grp.generate(**kw), plain.generate(**kw)
+    assert torch.equal(a.sequences, b.sequences) and grouped.stale_layouts([_group_of(grp)]) == []
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a.logits, b.logits))
 
 
 def test_grouped_under_eager_checkpointing_recomputes_the_group(tiny_model):

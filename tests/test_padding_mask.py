@@ -49,6 +49,8 @@ def test_real_tokens_see_the_same_without_the_padding_mask(tiny_model, qwen_toke
 def test_the_lever_says_when_it_runs(qwen_tokenizer):
     assert padding_mask_lever(_cfg(drop_padding_mask=False), qwen_tokenizer) == (False, "off")
     assert padding_mask_lever(_cfg(), qwen_tokenizer) == (True, "on (right padding: the causal mask alone, no padding mask)")
+    assert padding_mask_lever(_cfg(use_unsloth=True), qwen_tokenizer)[1].startswith("off (use_unsloth")
+    assert padding_mask_lever(_cfg(use_unsloth=True, drop_padding_mask=True), qwen_tokenizer)[0] is True
     assert padding_mask_lever(_cfg(drop_padding_mask=True, packing=True), qwen_tokenizer)[1].startswith("off (packed")
     on, line = padding_mask_lever(_cfg(drop_padding_mask=True), qwen_tokenizer)
     assert on and line.startswith("on (right padding")

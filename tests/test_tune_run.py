@@ -505,6 +505,9 @@ def test_a_lever_left_on_auto_that_the_pick_ran_with_is_not_measured_again(tmp_p
     assert v[2].status == "measured" and ran == [v[2].short]  # off is a change from what ran
     assert ts.already_runs("fused_lora", "true", True, None, None) is None  # no ledger line: measured, not guessed
     assert ts.already_runs("grouped_lora", "false", False, False, None) == "the job already runs with grouped_lora=false"
+    left = {"drop_padding_mask": "off (padding on the left: the mask is needed)"}
+    assert ts.already_runs("drop_padding_mask", "true", True, None, left).startswith("drop_padding_mask cannot apply to this job")
+    assert ts.already_runs("drop_padding_mask", "true", True, None, {"drop_padding_mask": "off"}) is None
 
 
 def test_the_lever_phase_says_what_is_left_of_the_whole_budget(tmp_path, monkeypatch, capsys):

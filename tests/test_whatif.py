@@ -306,6 +306,16 @@ def test_absmax_once_counts_the_fp32_absmax_of_single_quantization():
         assert grew / per_weight == pytest.approx(plain[k]["memory"]["weights_4bit"] / (0.5 + 1 / 64 + 4 / (64 * 256)))
         assert p["memory"]["activations"] == pytest.approx(plain[k]["memory"]["activations"] - grew, rel=1e-9)
         assert p["memory"]["total"] == pytest.approx(plain[k]["memory"]["total"], rel=1e-9)  # same target
+    # Since 2026-12-06 it is on by default (config null): what ran is the levers line's.
+    for row in led["presets"]:
+        row["config"]["absmax_once"] = None
+        row.setdefault("model", {}).setdefault("levers", {})["absmax_once"] = "on (196 weights, +290 MiB)"
+    auto = {p["preset"]: p for p in whatif.predict_all(led, args(gpus="1xh200-sxm"), hw, n)[1]}
+    assert all(auto[k]["memory"]["weights_4bit"] == once[k]["memory"]["weights_4bit"] for k in once)
+    for row in led["presets"]:
+        row["model"]["levers"]["absmax_once"] = "off"
+    off = {p["preset"]: p for p in whatif.predict_all(led, args(gpus="1xh200-sxm"), hw, n)[1]}
+    assert all(off[k]["memory"]["weights_4bit"] == plain[k]["memory"]["weights_4bit"] for k in plain)
 
 
 def test_a_preset_the_dry_run_did_not_measure_is_left_out_and_said(tmp_path):

@@ -239,12 +239,15 @@ def untried_levers(row: dict) -> list[str]:
     lever runs when its line starts with "on"; a ledger from before names none): absmax_once
     (double-quantized 4-bit weights, not sharded), drop_padding_mask (padded rows), grouped_lora
     (lora_dropout 0, the fused LoRA projection on, and no checkpointing inside compiled layers).
-    [] when none."""
+    A lever whose line says "off (why)" could not apply and is not named. [] when none."""
     cfg, levers = row.get("config") or {}, (row.get("model") or {}).get("levers") or {}
     compiled = str(levers.get("compile", "")).startswith("on")
 
     def ran(key: str) -> bool:
-        return str(levers.get(key, "")).startswith("on")
+        # "off" (set false) or absent (a ledger from before): could run. "on ..." ran; "off (why)"
+        # is the lever's own verdict that it cannot apply here (left padding, no q/k/v group, ...).
+        line = str(levers.get(key, ""))
+        return line.startswith("on") or line.startswith("off (")
 
     out = []
     if (not ran("grouped_lora") and cfg.get("lora_dropout") == 0 and ran("fused_lora")

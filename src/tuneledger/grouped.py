@@ -137,15 +137,20 @@ class _Group:
     def __init__(self, members: tuple, names: tuple) -> None:
         self.members, self.names = members, names
         self.grad = False  # the grad mode the kept outputs were made in
-        biases = [getattr(m.get_base_layer(), "bias", None) for m in members]
+        self.x: torch.Tensor | None = None
+        self.pending: list[torch.Tensor | None] = [None] * len(members)
+        self.lay_out()
+
+    def lay_out(self) -> None:
+        """(Again) the laid-out weights and scales (lay_out) and the concatenated frozen biases,
+        from what the members hold now."""
+        biases = [getattr(m.get_base_layer(), "bias", None) for m in self.members]
         self.bias = None
         if any(b is not None for b in biases):
             ref = next(b for b in biases if b is not None)
             self.bias = torch.cat([b.detach() if b is not None else ref.new_zeros(m.get_base_layer().out_features)
-                                   for b, m in zip(biases, members)])
-        self.x: torch.Tensor | None = None
-        self.pending: list[torch.Tensor | None] = [None] * len(members)
-        self.w, self.absmax, self.layout = lay_out(members)
+                                   for b, m in zip(biases, self.members)])
+        self.w, self.absmax, self.layout = lay_out(self.members)
 
 
 def layout_blocker(bases: list) -> str | None:
@@ -175,7 +180,8 @@ def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, t
     if layout_blocker(bases):
         return None, None, None
     ws = [b.weight for b in bases]
-    with torch.no_grad():
+    # Not inference tensors, should a re-layout happen under inference_mode: training reads them later.
+    with torch.no_grad(), torch.inference_mode(False):
         whole = torch.cat([w.data for w in ws])
         off = 0
         for w in ws:
@@ -188,7 +194,7 @@ def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, t
     rows = sum(w.quant_state.shape[0] for w in ws)
     scales = None
     if not any(w.quant_state.nested for w in ws):
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):
             scales = torch.cat([w.quant_state.absmax.float() for w in ws])
             off = 0
             for w in ws:
@@ -223,7 +229,7 @@ def layout_check(groups: list):
         if stale_layouts(groups):
             for g in groups:
                 if g.w is not None and stale_layouts([g]):
-                    g.w, g.absmax, g.layout = lay_out(g.members)
+                    g.lay_out()
     return check
 
 
@@ -325,8 +331,11 @@ def group_lora(model: Any, wanted: bool | None, fused: bool, lora_dropout: float
             object.__setattr__(m, "_tuneledger_index", i)
             m.forward = types.MethodType(_grouped_forward, m)
     laid = sum(g.w is not None for g in made)
-    if laid:  # the top-level forward runs eagerly (regional compilation compiles the layers only)
-        model.register_forward_pre_hook(layout_check(made))
+    if laid:
+        # On the causal LM under peft's wrapper: its forward and generate() both call it, eagerly
+        # (regional compilation compiles the decoder layers only).
+        target = model.get_base_model() if hasattr(model, "get_base_model") else model
+        target.register_forward_pre_hook(layout_check(made))
     kinds = sorted({"/".join(n.split("_")[0] for n in names) for _, names in groups}, reverse=True)
     n = sum(len(m) for m, _ in groups)
     tail = "" if laid == len(groups) else f"; {len(groups) - laid} concatenate their weights per call"

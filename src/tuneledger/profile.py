@@ -4,8 +4,9 @@ with torch.profiler and writes `profile-step<N>.json` and `.md` into the run's o
 The table splits the step's wall time by what the GPU ran (kernel time by category: all-reduce, matmul,
 attention, dequant, fused Triton, elementwise, optimizer, other) and the share it ran nothing
 (idle); beside it the host side: kernel launches, host-device syncs, and the CPU ops with the
-most self time. The profiler slows the host a little (its own bookkeeping per op), so read the
-idle share as an upper bound, and the step's s/step from the dry-run's own (unprofiled) steps.
+most self time. The profiler slows the host a little (its own bookkeeping per op, and since
+2026-12-06 each op's input shapes: the copy table), so read the idle share as an upper bound, and
+the step's s/step from the dry-run's own (unprofiled) steps.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ CATEGORIES = (
     ("fused Triton", ("_kernel",)),  # Liger's own kernel names (_rms_norm_forward_kernel, ...)
 )
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # + cudaMemcpyAsync
-COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous")
+# The leaf op only: .contiguous() and clone() call copy_, and would count each copy three times.
+COPY_OPS = ("aten::copy_",)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
@@ -47,8 +49,9 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     "self_us"}; wall_s: the step's wall time (s). Returns {"wall_s", "kernel_s", "categories":
     {name: s}, "idle_s", "idle_share", "launches", "syncs", "sync_calls": {runtime call: count},
     "top_cpu_ops": [(name, self s, calls)], "top_kernels": [(category, name, GPU s, calls)],
-    "copies": [(op and its input shapes, calls)]}: aten::copy_, clone and contiguous by shape (an
-    event's optional "shapes", from a profile with record_shapes), to find where device copies come from. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
+    "copies": [(op and its input shapes, calls)]}: aten::copy_ calls by input shapes (an event's
+    optional "shapes", from a profile with record_shapes; every copy, host and device), to find
+    where device copies come from. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
     host waits; the profiler does not say which way a copy went); sync_calls tells the kinds apart.
     Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
     cats: dict[str, float] = {}

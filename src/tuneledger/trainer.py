@@ -275,6 +275,9 @@ def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
     positions then attend to the tokens before them; their outputs are never supervised (label -100)."""
     if cfg.drop_padding_mask is False:
         return False, "off"
+    if cfg.drop_padding_mask is None and cfg.use_unsloth:
+        # Unsloth's backend as Unsloth runs it (make bench compares it so); true drops the mask there too.
+        return False, "off (use_unsloth: the micro-batch goes to Unsloth with its mask, as Unsloth pads it)"
     if cfg.packing:
         return False, "off (packed rows carry no padding mask)"
     if getattr(tokenizer, "padding_side", "right") != "right":

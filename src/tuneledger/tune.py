@@ -316,5 +316,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gc", default="both", help="gradient checkpointing searched: on, off or both (default both)")
     p.add_argument("--packing", default="both", help="packing searched: on, off or both (default both)")
     p.add_argument("--levers", help="speed levers to try on the pick, one variant per comma, '+' within one: "
-                                    "grouped_lora=true,absmax_once=true+drop_padding_mask=true (keys: " + ", ".join(ts.LEVER_KEYS) + ")")
+                                    "compile_cpp_wrapper=true,grouped_lora=false+absmax_once=false (keys: " + ", ".join(ts.LEVER_KEYS) + ")")
     p.set_defaults(func=run)

@@ -159,6 +159,9 @@ def already_runs(key: str, text: str, value: Any, own: Any, ran: dict | None) ->
     state = True if line.startswith("on") else False if line.startswith("off") else None
     if own is None and state is not None and value == state:
         return f"the job already runs with {key} {line.split(' ', 1)[0]} (unset: auto; the pick's dry-run: {line})"
+    if own is None and value is True and line.startswith("off ("):
+        # auto said why it could not apply (left padding, no q/k/v group, ...): true would be refused or do nothing
+        return f"{key} cannot apply to this job (unset: auto; the pick's dry-run: {line})"
     return None
 
 

@@ -251,7 +251,10 @@ def predict_all(led: dict, args: argparse.Namespace, hw: Hardware, n: int) -> tu
     cfg = led["presets"][0]["config"]
     quant = cfg.get("quantization_type", "nf4") if cfg.get("quantization_bit") else None
     # absmax_once keeps the absmax in fp32 after load: the bytes of single quantization (nf4.py).
-    double_quant = bool(cfg.get("double_quantization", True)) and not cfg.get("absmax_once", False)
+    # What ran is the levers line's (on by default since 2026-12-06); an older ledger has only the config's.
+    once = str(((led["presets"][0].get("model") or {}).get("levers") or {}).get("absmax_once", ""))
+    ran_once = once.startswith("on") if once else bool(cfg.get("absmax_once", False))
+    double_quant = bool(cfg.get("double_quantization", True)) and not ran_once
     preds, cannot = [], {}
     for s in sources:
         try:
