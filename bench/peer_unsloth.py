@@ -104,8 +104,7 @@ def profile_step(one_step, step: int, stem: Path) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     s = profile.summarize(profile.events(prof), wall)
-    stem.with_suffix(".json").write_text(json.dumps(s, indent=1))
-    stem.with_suffix(".md").write_text(profile.markdown(s, step))
+    profile.save(s, stem, step)
     print(f"unsloth profile: {stem}.md, {wall * 1e3:.0f} ms wall, GPU kernels {s['kernel_s'] * 1e3:.0f} ms", flush=True)
 
 

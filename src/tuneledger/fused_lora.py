@@ -52,6 +52,12 @@ def dequantize_in_graph(w, absmax, absmax2, code2, offset, code, meta) -> torch.
     return values.to(dtype).reshape(shape)
 
 
+def plain_absmax(absmax, absmax2, code2, offset, blocksize2: int) -> torch.Tensor:
+    """Double quantization's 8-bit absmax [blocks] rebuilt as fp32 scales (code2[a] x absmax2 + offset),
+    by bitsandbytes' own op: what bitsandbytes.functional.dequantize_4bit does at every call."""
+    return torch.ops.bitsandbytes.dequantize_blockwise(absmax, absmax2, code2, blocksize2, torch.float32) + offset
+
+
 def _dequantize(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
     """The base weight [out, in] in its compute dtype: inside a compiled layer in torch ops
     (dequantize_in_graph), else through bitsandbytes' torch.library ops (the same calls as
@@ -62,7 +68,7 @@ def _dequantize(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
         return dequantize_in_graph(w, absmax, absmax2, code2, offset, code, meta)
     blocksize, blocksize2, quant_type, shape, dtype = meta
     if absmax2 is not None:
-        absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, absmax2, code2, blocksize2, torch.float32) + offset
+        absmax = plain_absmax(absmax, absmax2, code2, offset, blocksize2)
     return torch.ops.bitsandbytes.dequantize_4bit(w, absmax.float(), blocksize, quant_type, list(shape), dtype)
 
 

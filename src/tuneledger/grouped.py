@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuneledger.fused_lora import _dequantize, _fused_forward, base_weight_inputs
+from tuneledger.fused_lora import _dequantize, _fused_forward, base_weight_inputs, plain_absmax
 from tuneledger.speed import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -62,10 +62,8 @@ def _base(members: list[tuple], metas: tuple, gw: torch.Tensor | None, gabsmax: 
         return gw
     if gabsmax is not None:
         return _dequantize(gw, gabsmax, None, None, None, members[0][7], layout)
-    absmax = [m[3] if m[4] is None else
-              torch.ops.bitsandbytes.dequantize_blockwise(m[3], m[4], m[5], metas[i][1], torch.float32) + m[6]
-              for i, m in enumerate(members)]
-    absmax = absmax[0] if len(absmax) == 1 else torch.cat([a.float() for a in absmax])
+    absmax = torch.cat([m[3].float() if m[4] is None else plain_absmax(*m[3:7], metas[i][1])
+                        for i, m in enumerate(members)])
     return _dequantize(gw, absmax, None, None, None, members[0][7], layout)
 
 
@@ -183,11 +181,8 @@ def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, t
     # Not inference tensors, should a re-layout happen under inference_mode: training reads them later.
     with torch.no_grad(), torch.inference_mode(False):
         whole = torch.cat([w.data for w in ws])
-        off = 0
-        for w in ws:
-            n = w.shape[0]
-            w.data = whole[off:off + n]
-            off += n
+        for w, part in zip(ws, whole.split([w.shape[0] for w in ws])):
+            w.data = part
     qs = getattr(ws[0], "quant_state", None)
     if qs is None:
         return whole, None, None
@@ -196,11 +191,8 @@ def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, t
     if not any(w.quant_state.nested for w in ws):
         with torch.no_grad(), torch.inference_mode(False):
             scales = torch.cat([w.quant_state.absmax.float() for w in ws])
-            off = 0
-            for w in ws:
-                n = w.quant_state.absmax.numel()
-                w.quant_state.absmax = scales[off:off + n]
-                off += n
+            for w, part in zip(ws, scales.split([w.quant_state.absmax.numel() for w in ws])):
+                w.quant_state.absmax = part
     return whole, scales, (qs.blocksize, 0, qs.quant_type, (rows, qs.shape[1]), qs.dtype)
 
 

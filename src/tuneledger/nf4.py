@@ -36,10 +36,10 @@ def unnest(qs: Any) -> int:
     import torch
 
     before = qs.absmax.numel() * qs.absmax.element_size() + qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+    from tuneledger.fused_lora import plain_absmax
+
     with torch.no_grad():
-        absmax = torch.ops.bitsandbytes.dequantize_blockwise(qs.absmax, qs.state2.absmax, qs.state2.code,
-                                                             qs.state2.blocksize, torch.float32)
-        absmax += qs.offset
+        absmax = plain_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.state2.blocksize)
     qs.absmax, qs.nested, qs.state2, qs.offset = absmax.float(), False, None, None
     return absmax.numel() * 4 - before
 

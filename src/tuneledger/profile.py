@@ -111,6 +111,16 @@ def markdown(s: dict, step: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save(s: dict, stem: Path, step: int) -> str:
+    """Write summarize()'s result `s` to `<stem>.json` and its table (markdown) to `<stem>.md`;
+    returns the table."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(s, indent=1))
+    md = markdown(s, step)
+    stem.with_suffix(".md").write_text(md)
+    return md
+
+
 def events(prof: Any) -> list[dict]:
     """summarize()'s events from a finished torch.profiler.profile."""
     out = []
@@ -160,8 +170,4 @@ class StepProfile(TrainerCallback):
         self.prof.__exit__(None, None, None)
         s = summarize(events(self.prof), wall)
         self.prof = None
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / f"profile-step{self.step}.json").write_text(json.dumps(s, indent=1))
-        md = markdown(s, self.step)
-        (self.out_dir / f"profile-step{self.step}.md").write_text(md)
-        print(md, flush=True)
+        print(save(s, self.out_dir / f"profile-step{self.step}", self.step), flush=True)

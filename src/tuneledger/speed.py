@@ -89,7 +89,8 @@ def pick_attention(requested: str, packing: bool, device_type: str) -> tuple[str
         if not _has_flex() or not cuda:
             raise ValueError("flash_attn=flex needs torch >= 2.5 with flex_attention and a CUDA GPU; set flash_attn=auto")
         return "flex_attention", "flex attention with a document mask (compiles on first use: start-up, not steps)"
-    if cuda and hasattr(torch.backends.cuda, "enable_cudnn_sdp") and os.environ.get("TUNELEDGER_CUDNN_SDPA") != "1":
+    cudnn = os.environ.get("TUNELEDGER_CUDNN_SDPA") == "1"
+    if cuda and hasattr(torch.backends.cuda, "enable_cudnn_sdp") and not cudnn:
         # torch >= 2.9 prefers cuDNN's SDPA on Hopper; it builds an execution plan per new shape,
         # ~3 ms of host per call with padded rows (a profiled C step: 1.3 of 4.0 s in
         # _cudnn_attention_forward/backward, bench/results/h200-2026-12-01-compile). The memory-
@@ -103,7 +104,6 @@ def pick_attention(requested: str, packing: bool, device_type: str) -> tuple[str
              "time of per-sample kernels on an H200). Install flash-attn (the pinned image has it) or torch >= 2.9, "
              "or set packing=false")
         return "sdpa", "sdpa with a dense packed mask (slow: no varlen kernel here)"
-    cudnn = os.environ.get("TUNELEDGER_CUDNN_SDPA") == "1"
     return "sdpa", "sdpa" + (" (packed rows under a block-diagonal mask)" if packing else "") + (
         (" (cuDNN's kernels allowed: TUNELEDGER_CUDNN_SDPA=1)" if cudnn else
          " (flash / memory-efficient kernels; cuDNN's off: host cost per shape)") if cuda else "")
