@@ -238,7 +238,7 @@ EXPORT_OUT = $(or $(OUT),$(if $(RUN),,$(call cfg_key,export_dir)),$(RUN_DIR)/exp
 # `make bench`: one GPU, one table (runs/bench/bench.md, bench.json): tuneledger's presets with the
 # default levers and each lever off, plain transformers + peft + bitsandbytes, and Unsloth where it
 # imports (PYTHONPATH, or a .usite folder). BENCH_RUNS picks the rows (bench/h200_levers.sh).
-BENCH_RUNS ?= Dplain Dauto Dsdpa Dnoliger Dnofuse Ddrop Cplain Cauto Cnolaunch Bauto Aauto unsloth hf
+BENCH_RUNS ?= Dplain Dauto Dsdpa Dnoliger Dnofuse Ddrop Cplain Cauto Cnolaunch Cnotriton Bauto Aauto unsloth hf
 bench: $(VENV)/.stamp $(if $(filter 1,$(HAS_GPU)),$(MODEL_DEP)) ## tuneledger's presets (default levers, each lever off) beside plain HF and Unsloth on one GPU: runs/bench/bench.md
 	@test "$(HAS_GPU)" = 1 || { echo "make bench measures a GPU; this machine has none (nvidia-smi -L)"; exit 2; }
 	DEVICE_ENV=0 PY=$(VENV)/bin/python TL="$(VENV)/bin/python -m tuneledger" MODEL=$(JOB_MODEL) CONFIG=$(CONFIG) \
@@ -264,6 +264,12 @@ eval: $(ENV_DEP) ## loss/perplexity of RUN on DATASET=heldout.json, or CONFIG=pr
 quantize: $(QENV_DEP) ## INT4 W4A16 (QUANT=awq|gptq, default awq) of RUN's verified export: runs/<run>/export-<scheme>, quant.json
 	$(TLQ) quantize --merged $(EXPORT_OUT) --scheme $(or $(QUANT),awq)$(WITH_QUANT_ARGS)
 
+# numpy 1.26 beside the lock's 2.2, for Triton 3.1's CPU interpreter only (tests/triton-interp-numpy.txt).
+INTERP_NUMPY = .cache/triton-interp-numpy
+$(INTERP_NUMPY)/.stamp: tests/triton-interp-numpy.txt $(VENV)/.stamp
+	$(VENV)/bin/pip install -q --no-deps --require-hashes --only-binary=:all: --upgrade --target $(INTERP_NUMPY) -r $<
+	@touch $@
+
 # Two tiers. `make test` needs nothing beside the clone: unit tests and tiny end-to-end runs, under
 # 10 minutes on 2 cores. `make test-all` adds the `slow` tests (real SmolLM2-135M weights, 98 MB from
 # PyPI, trained on ../shared/data/identity.json, else they skip saying so) and the INT4 tests in
@@ -272,7 +278,7 @@ quantize: $(QENV_DEP) ## INT4 W4A16 (QUANT=awq|gptq, default awq) of RUN's verif
 PYTEST_ARGS ?=
 pytest = echo '$(1) -m pytest -q $(2) $(PYTEST_ARGS)'; $(1) -m pytest -q $(2) $(PYTEST_ARGS); rc=$$?; \
 	[ $$rc != 5 ] || echo '$@: pytest selected no test ($(2) $(PYTEST_ARGS)): nothing ran'; exit $$rc
-test: $(VENV)/.stamp ## the fast tier: unit tests and tiny end-to-end runs on CPU (no GPU, no ../shared, no download)
+test: $(VENV)/.stamp $(INTERP_NUMPY)/.stamp ## the fast tier: unit tests and tiny end-to-end runs on CPU (no GPU, no ../shared; numpy 1.26 for Triton's interpreter)
 	@$(call pytest,$(VENV)/bin/python,-m "not slow")
 
 test-slow: $(VENV)/.stamp ## the slow tier in .venv: real-weights runs (SmolLM2-135M from PyPI, ../shared/data)

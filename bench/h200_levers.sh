@@ -30,7 +30,7 @@ left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   stamp "tests/test_speed.py and tests/test_grouped.py on the GPU"
-  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_padding_mask.py tests/test_swiglu.py} > /tmp/logs/test_speed_gpu.log 2>&1
+  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py} > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
 if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per layer (bench/compile_check.py)
@@ -49,7 +49,7 @@ if [ "${GC_CHECK:-0}" != 0 ]; then   # checkpointing around or inside compiled l
   done
 fi
 JOB="$CONFIG model_name_or_path=$MODEL ${DATASET:+dataset=$DATASET} cache_dir=/tmp/cache dryrun_steps=$STEPS dryrun_warmup_steps=$WARMUP"
-PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false torch_compile=false lora_dropout=0 absmax_once=false drop_padding_mask=false swiglu_recompute=false"
+PLAIN="flash_attn=sdpa enable_liger_kernel=false fused_lora=false torch_compile=false lora_dropout=0 absmax_once=false drop_padding_mask=false swiglu_recompute=false nf4_kernel=false"
 # The launch levers (grouped_lora, absmax_once, drop_padding_mask) are on by default where they apply
 # since 2026-12-06: a row of one of them alone sets the other two false; *nolaunch has all three off.
 NOLAUNCH="grouped_lora=false absmax_once=false drop_padding_mask=false"
@@ -90,6 +90,7 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     dq0) o="$AUTO double_quantization=false";;   # no double quantization: plain fp32 absmax (other quantized weights)
     nomask) o="$AUTO drop_padding_mask=true grouped_lora=false absmax_once=false";;   # alone: padded rows without their attention mask
     nolaunch) o="$AUTO $NOLAUNCH";;   # the three launch levers off (the defaults before 2026-12-06)
+    notriton) o="$AUTO nf4_kernel=false";;   # A/B: bitsandbytes' NF4 dequant kernel instead of ours (nf4_kernel.py)
     nogroup) o="$AUTO grouped_lora=false";; noabsmax) o="$AUTO absmax_once=false";; keepmask) o="$AUTO drop_padding_mask=false";;
     fast) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true";;   # the opt-in levers together
     fastcpp) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true compile_cpp_wrapper=true";;
@@ -103,7 +104,7 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     prefer) o="$AUTO";;  # A/B: the checkpoint inside, the partitioner free to save (TUNELEDGER_CHECKPOINT_POLICY=prefer)
     graphdq) o="$AUTO";; # A/B: NF4 dequantized in torch ops inside the compiled layers (TUNELEDGER_DEQUANT=graph)
     pack) o="$AUTO packing=true";;  # padding-free: the micro-batch's samples in one row, varlen attention, no pad tokens
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack>, unsloth, hf)"; return 1;;
   esac
   e=""; [ "$r" = Dauto ] && e="TUNELEDGER_SYNC_DEBUG=$(( WARMUP + 2 ))"
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"

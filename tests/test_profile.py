@@ -48,6 +48,27 @@ def test_summary_splits_the_step_and_counts_the_host_side():
     assert s["copies"] == [("aten::copy_ [[8, 64], [8, 64], []]", 1)] and "| aten::copy_ [[8, 64], [8, 64], []] | 1 |" in md
 
 
+def test_syncs_and_copies_are_told_by_the_ops_they_ran_in():
+    """A host sync or a copy is listed with the ops around it (the profiler's cpu_parent chain),
+    innermost first: where a step waits on the GPU, and where its device copies come from."""
+    def ev(name, parent=None):
+        return SimpleNamespace(name=name, cpu_parent=parent, device_type="DeviceType.CPU", cpu_time=5.0,
+                               self_cpu_time_total=5.0, input_shapes=[[4], [4]])
+    item = ev("aten::_local_scalar_dense", ev("aten::item", ev("LigerFusedLinearCrossEntropyFunction", ev("top"))))
+    clone = ev("aten::clone", ev("GroupedLoraProjectionBackward"))
+    prof = SimpleNamespace(events=lambda: [ev("cudaStreamSynchronize", item), ev("cudaStreamSynchronize", item),
+                                           ev("cudaMemcpyAsync"), ev("aten::copy_", clone), ev("cudaLaunchKernel", item)])
+    e = profile.events(prof)
+    assert e and profile.origin(item) == "aten::item < LigerFusedLinearCrossEntropyFunction < top"
+    s = profile.summarize(e, wall_s=1.0)
+    assert s["sync_origins"] == [("cudaStreamSynchronize < aten::_local_scalar_dense < aten::item < "
+                                  "LigerFusedLinearCrossEntropyFunction", 2), ("cudaMemcpyAsync", 1)]
+    assert s["copies"] == [("aten::copy_ [[4], [4]] < aten::clone < GroupedLoraProjectionBackward", 1)]
+    md = profile.markdown(s, 3)
+    assert "| host sync (runtime call < the ops it ran in) | calls |" in md
+    assert "| cudaStreamSynchronize < aten::_local_scalar_dense < aten::item < LigerFusedLinearCrossEntropyFunction | 2 |" in md
+
+
 def test_callback_profiles_only_its_step(tmp_path):
     cb = profile.StepProfile(2, tmp_path)
     a = torch.randn(64, 64)

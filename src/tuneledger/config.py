@@ -91,6 +91,11 @@ class JobConfig(BaseModel):
     # (bench/results/h100-2026-12-06-call1, -call2). null: on where it applies (fused LoRA, a
     # SwiGLU MLP with LoRA on down_proj, checkpointing off: with it on, the layer is remade anyway)
     swiglu_recompute: bool | None = None
+    # NF4 weights dequantized by our Triton kernel (nf4_kernel.py) instead of bitsandbytes' one: the
+    # same bits, fewer ms for a memory-bound copy (preset C on an H100: bitsandbytes 123 ms a step
+    # against Unsloth's Triton 93). null: on where it applies (the fused projection, NF4, a CUDA GPU
+    # with Triton); false: bitsandbytes' kernel
+    nf4_kernel: bool | None = None
     # -- data
     # Files (.json/.jsonl) or names looked up in <dataset_dir>/dataset_info.json (LLaMA-Factory's).
     dataset: list[str]

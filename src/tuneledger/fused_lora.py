@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tuneledger import nf4_kernel
 from tuneledger.compiled import dequant_in_graph
 
 
@@ -60,8 +61,9 @@ def plain_absmax(absmax, absmax2, code2, offset, blocksize2: int) -> torch.Tenso
 
 def _dequantize(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
     """The base weight [out, in] in its compute dtype: inside a compiled layer in torch ops
-    (dequantize_in_graph), else through bitsandbytes' torch.library ops (the same calls as
-    bitsandbytes.functional.dequantize_4bit)."""
+    (dequantize_in_graph), else by our Triton NF4 kernel where the nf4_kernel lever is on
+    (nf4_kernel.applies), else through bitsandbytes' torch.library ops (the same calls as
+    bitsandbytes.functional.dequantize_4bit). All three give the same bits."""
     if meta is None:
         return w
     if torch.compiler.is_compiling() and dequant_in_graph():
@@ -69,6 +71,8 @@ def _dequantize(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
     blocksize, blocksize2, quant_type, shape, dtype = meta
     if absmax2 is not None:
         absmax = plain_absmax(absmax, absmax2, code2, offset, blocksize2)
+    if nf4_kernel.applies(w, quant_type, blocksize, dtype):
+        return nf4_kernel.dequantize(w, absmax, code, blocksize, list(shape), dtype)
     return torch.ops.bitsandbytes.dequantize_4bit(w, absmax.float(), blocksize, quant_type, list(shape), dtype)
 
 

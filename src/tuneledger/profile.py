@@ -49,9 +49,11 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     "self_us"}; wall_s: the step's wall time (s). Returns {"wall_s", "kernel_s", "categories":
     {name: s}, "idle_s", "idle_share", "launches", "syncs", "sync_calls": {runtime call: count},
     "top_cpu_ops": [(name, self s, calls)], "top_kernels": [(category, name, GPU s, calls)],
-    "copies": [(op and its input shapes, calls)]}: aten::copy_ calls by input shapes (an event's
-    optional "shapes", from a profile with record_shapes; every copy, host and device), to find
-    where device copies come from. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
+    "copies": [(op and its input shapes, calls)], "sync_origins": [(runtime call < the ops around
+    it, calls)]}: aten::copy_ calls by input shapes (an event's optional "shapes", from a profile
+    with record_shapes; every copy, host and device) and by the ops they ran in (its optional
+    "origin"), to find where device copies come from; the host syncs likewise by origin, to find
+    which op waits on the GPU. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
     host waits; the profiler does not say which way a copy went); sync_calls tells the kinds apart.
     Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
     cats: dict[str, float] = {}
@@ -60,6 +62,7 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     ops: dict[str, list] = {}
     kernels: dict[str, list] = {}
     copies: dict[str, int] = {}
+    origins: dict[str, int] = {}
     for e in events:
         if e["kind"] == "kernel":
             c = category(e["name"])
@@ -72,9 +75,11 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
             if e["name"].startswith(SYNC_CALLS):
                 syncs += 1
                 sync_calls[e["name"]] = sync_calls.get(e["name"], 0) + 1
+                key = f"{e['name']} < {e['origin']}" if e.get("origin") else e["name"]
+                origins[key] = origins.get(key, 0) + 1
         else:
             if e["name"] in COPY_OPS:
-                key = f"{e['name']} {e.get('shapes', '')}".strip()
+                key = f"{e['name']} {e.get('shapes', '')}".strip() + (f" < {e['origin']}" if e.get("origin") else "")
                 copies[key] = copies.get(key, 0) + 1
             o = ops.setdefault(e["name"], [0.0, 0])
             o[0] += e["self_us"] / 1e6
@@ -87,7 +92,8 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
             "top_cpu_ops": sorted(((n, s, c) for n, (s, c) in ops.items()), key=lambda t: -t[1])[:top],
             # Which kernels a category's time is: two engines' tables compare kernel by kernel.
             "top_kernels": sorted(((category(n), n, s, c) for n, (s, c) in kernels.items()), key=lambda t: -t[2])[:top],
-            "copies": sorted(copies.items(), key=lambda kv: -kv[1])[:top]}
+            "copies": sorted(copies.items(), key=lambda kv: -kv[1])[:top],
+            "sync_origins": sorted(origins.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def markdown(s: dict, step: int) -> str:
@@ -107,7 +113,10 @@ def markdown(s: dict, step: int) -> str:
         lines += [f"| {n[:100]} | {cat} | {sec * 1e3:.1f} | {c} |" for cat, n, sec, c in s["top_kernels"]]
     if s.get("copies"):
         lines += ["", "| copy op (input shapes) | calls |", "| --- | --- |"]
-        lines += [f"| {n[:140]} | {c} |" for n, c in s["copies"]]
+        lines += [f"| {n[:200]} | {c} |" for n, c in s["copies"]]
+    if s.get("sync_origins"):
+        lines += ["", "| host sync (runtime call < the ops it ran in) | calls |", "| --- | --- |"]
+        lines += [f"| {n[:200]} | {c} |" for n, c in s["sync_origins"]]
     return "\n".join(lines) + "\n"
 
 
@@ -121,6 +130,17 @@ def save(s: dict, stem: Path, step: int) -> str:
     return md
 
 
+def origin(e: Any, depth: int = 3) -> str:
+    """The ops a profiler event ran in, innermost first ("aten::item < aten::max < ..."), up to
+    `depth` of them; "" at the top level."""
+    names = []
+    p = getattr(e, "cpu_parent", None)
+    while p is not None and len(names) < depth:
+        names.append(p.name)
+        p = getattr(p, "cpu_parent", None)
+    return " < ".join(names)
+
+
 def events(prof: Any) -> list[dict]:
     """summarize()'s events from a finished torch.profiler.profile."""
     out = []
@@ -129,11 +149,16 @@ def events(prof: Any) -> list[dict]:
         if "cuda" in kind:
             out.append({"name": e.name, "kind": "kernel", "dur_us": e.time_range.elapsed_us(), "self_us": 0.0})
         elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
-            out.append({"name": e.name, "kind": "runtime", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total})
+            d = {"name": e.name, "kind": "runtime", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total}
+            if e.name.startswith(SYNC_CALLS):
+                d["origin"] = origin(e)
+            out.append(d)
         else:
             d = {"name": e.name, "kind": "cpu_op", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total}
-            if e.name in COPY_OPS and getattr(e, "input_shapes", None):
-                d["shapes"] = str(e.input_shapes)
+            if e.name in COPY_OPS:
+                if getattr(e, "input_shapes", None):
+                    d["shapes"] = str(e.input_shapes)
+                d["origin"] = origin(e, 2)
             out.append(d)
     return out
 

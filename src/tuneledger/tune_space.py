@@ -23,7 +23,7 @@ GC_OFF_FACTOR = 6.0
 SPACE_KEYS = ("per_device_train_batch_size", "gradient_checkpointing", "packing", "gradient_accumulation_steps", "preset")
 # The speed levers `--levers` may try on the pick, one variant each (docs/speed.md has what each does).
 LEVER_KEYS = ("flash_attn", "enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "drop_padding_mask",
-              "swiglu_recompute", "torch_compile", "compile_cpp_wrapper")
+              "swiglu_recompute", "nf4_kernel", "torch_compile", "compile_cpp_wrapper")
 
 
 # A candidate's short dry-run, unless the user gives dryrun_steps.
@@ -146,7 +146,7 @@ def lever_variants(pick: Candidate, levers: list[dict[str, str]]) -> list[Candid
 # dry-run ledger's model.levers ("on (...)" or "off (...)"): what the auto value came to.
 AUTO_LEVER_LINES = {"enable_liger_kernel": "liger", "fused_lora": "fused_lora", "torch_compile": "compile",
                     "swiglu_recompute": "swiglu_recompute", "grouped_lora": "grouped_lora", "absmax_once": "absmax_once",
-                    "drop_padding_mask": "drop_padding_mask"}
+                    "drop_padding_mask": "drop_padding_mask", "nf4_kernel": "nf4_kernel"}
 
 
 def already_runs(key: str, text: str, value: Any, own: Any, ran: dict | None) -> str | None:

@@ -23,7 +23,7 @@ ENV = "TUNELEDGER_USE_UNSLOTH"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # tuneledger's own model levers, which Unsloth's patched model replaces.
 OWN_LEVERS = ("enable_liger_kernel", "fused_lora", "grouped_lora", "absmax_once", "swiglu_recompute", "torch_compile",
-              "compile_cpp_wrapper")
+              "compile_cpp_wrapper", "nf4_kernel")
 
 
 def import_first() -> None:

@@ -1,0 +1,131 @@
+"""`nf4_kernel`: NF4 weights dequantized by one Triton kernel of ours instead of bitsandbytes'
+kDequantizeBlockwise. Why: with the launch levers on, preset C's step on an H100 spends 123 ms in
+bitsandbytes' kernel against 93 ms for the same bytes in Unsloth's Triton one
+(bench/results/h100-2026-12-06b-call3, both engines profiled in one call). Dequantization is
+memory-bound: each call reads 0.5 B and writes 2 B (bf16) per weight, so the floor is the bytes
+over the card's bandwidth, which a kernel that keeps whole quantization blocks in one tile gets
+close to (one scale load per block, wide contiguous stores).
+
+The arithmetic is bitsandbytes' (csrc/kernels.cu, kDequantizeBlockwise for NF4): each byte holds
+two codes, high nibble first; value = code[q] x absmax[block] in fp32, rounded once to the
+output dtype (round to nearest even, both). One multiply and no add, so no fused multiply-add can
+change a bit: the result is bitsandbytes' weight bit for bit (tests/test_nf4_kernel.py, on CPU
+through Triton's interpreter and on a GPU against bitsandbytes' own op).
+
+Scope: NF4 with fp32 absmax (double quantization's absmax is rebuilt first, as bitsandbytes
+does; absmax_once does it once at load), a blocksize that is a power of two, a CUDA tensor.
+Anything else goes to bitsandbytes' op. The op is a torch.library custom op, so compiled decoder
+layers treat it as opaque, as they do bitsandbytes' own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+import torch
+
+_ON = False  # set once per process by use(): the model's nf4_kernel lever
+
+
+def why_not() -> str | None:
+    """Why the Triton kernel cannot run in this process (no CUDA GPU, no Triton), or None.
+    TRITON_INTERPRET=1 (Triton's CPU interpreter, for tests) counts as able."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        return "no CUDA GPU"
+    try:
+        import triton  # noqa: F401
+        import triton.language as tl
+    except ImportError:
+        return "Triton is not installed"
+    if not hasattr(tl, "join"):
+        return "Triton too old (no tl.join)"
+    return None
+
+
+def use(wanted: bool | None, quantized: bool, fused: bool = True) -> str:
+    """Turn the kernel on for this process unless `wanted` is False (None: where it can run; True:
+    the same, refused where it cannot). `quantized`: the base is NF4; `fused`: the fused LoRA
+    projection runs (fused_lora), the only caller: bitsandbytes' own Linear4bit calls its own
+    kernel. Returns the ledger's line; raises ValueError for True where it cannot apply."""
+    global _ON
+    _ON = False
+    if wanted is False:
+        return "off"
+    why = ("no NF4 base weights" if not quantized else
+           "needs the fused LoRA projection (fused_lora unset or true)" if not fused else why_not())
+    if why:
+        if wanted:
+            raise ValueError(f"nf4_kernel: true cannot apply: {why}. Set nf4_kernel=false")
+        return f"off ({why})"
+    _ON = True
+    return "on (Triton NF4 dequantization, bitsandbytes' bits)"
+
+
+def applies(w: torch.Tensor, quant_type: str, blocksize: int, dtype: torch.dtype) -> bool:
+    """Whether dequantize() takes this weight (else bitsandbytes' op does)."""
+    return (_ON and quant_type == "nf4" and blocksize >= 2 and blocksize & (blocksize - 1) == 0
+            and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+_kernel = None
+
+
+def _build():
+    """The Triton kernel (nf4_triton), imported on first use: Triton is imported only where it runs.
+    TRITON_INTERPRET=1 must be set before this, as Triton reads it when the kernel is defined."""
+    global _kernel
+    if _kernel is None:
+        from tuneledger.nf4_triton import nf4_dequant
+
+        _kernel = nf4_dequant
+    return _kernel
+
+
+# Bytes of packed weight per program: 2 KiB (64 blocks of 64 weights) with 4 warps, a tile shape
+# that measured well for this bandwidth-bound copy on Hopper; every shape gives the same bits.
+TILE_BYTES, WARPS = 2048, 4
+
+
+def _launch(w, absmax, code, blocksize: int, shape: List[int], dtype: torch.dtype, wrap) -> torch.Tensor:  # noqa: UP006
+    """The NF4 weight `shape` [out, in] in `dtype` from its packed bytes `w` (out x in / 2 bytes,
+    high nibble first, any shape; stored as uint8, or as a float tensor under preset F's
+    bnb_4bit_quant_storage), its fp32 `absmax` [out x in / blocksize] and the 4-bit `code` table
+    [16] (fp32). Bit for bit bitsandbytes.functional.dequantize_4bit's result. Raises ValueError
+    when the sizes disagree. `wrap`: torch.library.wrap_triton under triton_op, else None."""
+    n = shape[0] * shape[1]
+    nbytes = w.numel() * w.element_size()
+    if nbytes * 2 != n or absmax.numel() * blocksize != n or n % blocksize:
+        raise ValueError(f"dequantize_nf4: {nbytes} packed bytes, {absmax.numel()} scales of {blocksize} "
+                         f"do not make a {shape[0]}x{shape[1]} weight")
+    out = torch.empty(shape, dtype=dtype, device=w.device)
+    half = blocksize // 2
+    rows = max(1, TILE_BYTES // half)
+    grid = ((absmax.numel() + rows - 1) // rows,)
+    # Triton's interpreter (tests) has no JIT function for wrap_triton to take: launched directly.
+    kernel = wrap(_build()) if wrap and os.environ.get("TRITON_INTERPRET") != "1" else _build()
+    kernel[grid](w.contiguous().reshape(-1).view(torch.uint8), absmax.float().contiguous(), code.float().contiguous(),
+                 out, absmax.numel(), HALF=half, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, num_warps=WARPS)
+    return out
+
+
+# torch >= 2.6: a triton_op, which a compiled layer calls as a Triton kernel of its graph (launched
+# by inductor's wrapper, no Python op in between); older torch (the image's 2.5.1): a custom op,
+# opaque to the compiler as bitsandbytes' ops are. TUNELEDGER_NF4_OP=custom forces the second.
+if hasattr(torch.library, "triton_op") and os.environ.get("TUNELEDGER_NF4_OP") != "custom":
+    @torch.library.triton_op("tuneledger::dequantize_nf4", mutates_args=())
+    def dequantize(w: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
+                   shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006 (torch reads typing.List)
+        """_launch's weight, as the op tuneledger::dequantize_nf4."""
+        return _launch(w, absmax, code, blocksize, shape, dtype, torch.library.wrap_triton)
+else:
+    @torch.library.custom_op("tuneledger::dequantize_nf4", mutates_args=())
+    def dequantize(w: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
+                   shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006 (torch 2.5 reads typing.List only)
+        """_launch's weight, as the op tuneledger::dequantize_nf4."""
+        return _launch(w, absmax, code, blocksize, shape, dtype, None)
+
+    @dequantize.register_fake
+    def _(w, absmax, code, blocksize, shape, dtype):
+        return w.new_empty(shape, dtype=dtype)
