@@ -56,9 +56,17 @@ def test_syncs_and_copies_are_told_by_the_ops_they_ran_in():
                                self_cpu_time_total=5.0, input_shapes=[[4], [4]])
     item = ev("aten::_local_scalar_dense", ev("aten::item", ev("LigerFusedLinearCrossEntropyFunction", ev("top"))))
     clone = ev("aten::clone", ev("GroupedLoraProjectionBackward"))
+    gpu = dict(device_type="DeviceType.CUDA", cpu_time=0.0, self_cpu_time_total=0.0, cpu_parent=None,
+               time_range=SimpleNamespace(elapsed_us=lambda: 700.0))
+    kernel = SimpleNamespace(name="nvjet_sm90_tst", **gpu)
+    # GPU-side ranges, not kernels: torch 2.11 puts each compiled graph's call on the GPU timeline.
+    ranges = [SimpleNamespace(name="## Call CompiledFxGraph f7dy ##", **gpu),
+              SimpleNamespace(name="my_range", is_user_annotation=True, **gpu)]
     prof = SimpleNamespace(events=lambda: [ev("cudaStreamSynchronize", item), ev("cudaStreamSynchronize", item),
-                                           ev("cudaMemcpyAsync"), ev("aten::copy_", clone), ev("cudaLaunchKernel", item)])
+                                           ev("cudaMemcpyAsync"), ev("aten::copy_", clone), ev("cudaLaunchKernel", item),
+                                           kernel, *ranges])
     e = profile.events(prof)
+    assert [x["name"] for x in e if x["kind"] == "kernel"] == ["nvjet_sm90_tst"]
     assert e and profile.origin(item) == "aten::item < LigerFusedLinearCrossEntropyFunction < top"
     s = profile.summarize(e, wall_s=1.0)
     assert s["sync_origins"] == [("cudaStreamSynchronize < aten::_local_scalar_dense < aten::item < "

@@ -84,7 +84,10 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
                                              else ", every op recomputed")
     dequant = ""
     if quantized:
-        dequant = ", NF4 dequantized in the graph" if dequant_in_graph() else ", bitsandbytes' dequantize ops"
+        from tuneledger import nf4_kernel
+
+        dequant = (", NF4 dequantized in the graph" if dequant_in_graph() else
+                   ", our Triton NF4 dequantize op" if nf4_kernel.is_on() else ", bitsandbytes' dequantize ops")
     return f"on ({len(layers)} decoder layers, regional{wrapper}{dequant}{inside})"
 
 

@@ -62,6 +62,11 @@ def use(wanted: bool | None, quantized: bool, fused: bool = True) -> str:
     return "on (Triton NF4 dequantization, bitsandbytes' bits)"
 
 
+def is_on() -> bool:
+    """Whether use() turned the kernel on in this process."""
+    return _ON
+
+
 def applies(w: torch.Tensor, quant_type: str, blocksize: int, dtype: torch.dtype) -> bool:
     """Whether dequantize() takes this weight (else bitsandbytes' op does)."""
     return (_ON and quant_type == "nf4" and blocksize >= 2 and blocksize & (blocksize - 1) == 0

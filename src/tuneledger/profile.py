@@ -146,6 +146,10 @@ def events(prof: Any) -> list[dict]:
     out = []
     for e in prof.events():
         kind = str(getattr(e, "device_type", "")).lower()
+        if "cuda" in kind and (getattr(e, "is_user_annotation", False) or e.name.startswith("## ")):
+            # A range on the GPU's timeline (torch 2.11 marks each compiled graph's call there, "## Call
+            # CompiledFxGraph ... ##"), not a kernel: counted, it doubled Unsloth's C kernel time.
+            continue
         if "cuda" in kind:
             out.append({"name": e.name, "kind": "kernel", "dur_us": e.time_range.elapsed_us(), "self_us": 0.0})
         elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
