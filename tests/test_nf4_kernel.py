@@ -46,7 +46,7 @@ CASES = [
 RUN_INTERPRETED = """
 import sys, torch
 from tuneledger import nf4_kernel
-assert nf4_kernel.use(None, quantized=True).startswith("on")
+assert nf4_kernel.use(None, quantized=True).startswith("on")  # its self_check passed here too
 cases = torch.load(sys.argv[1])
 torch.save([nf4_kernel.dequantize(*c) for c in cases], sys.argv[2])
 """
@@ -142,6 +142,7 @@ def test_the_fused_projection_calls_it_and_nothing_changes(tiny_model, monkeypat
     monkeypatch.setattr(nf4_kernel, "dequantize", stand_in)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets applies() take CPU tensors
     monkeypatch.setattr(nf4_kernel, "why_not", lambda: None)
+    monkeypatch.setattr(nf4_kernel, "self_check", lambda: None)
     assert nf4_kernel.use(None, quantized=True).startswith("on (")
     try:
         m1 = speed_tests._nf4_lora_model(tiny_model, True)
@@ -155,6 +156,25 @@ def test_the_fused_projection_calls_it_and_nothing_changes(tiny_model, monkeypat
     assert l1 == l0
     rel, name = speed_tests._worst(g0, g1)
     assert rel == 0.0, (name, rel)
+
+
+def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
+    """A Triton (or GPU) where the kernel does not build, or gives other bits, leaves it off with the
+    reason in the ledger's line (bitsandbytes' kernel runs), and refuses nf4_kernel: true."""
+    monkeypatch.setattr(nf4_kernel, "why_not", lambda: None)
+
+    def broken(*a):
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    monkeypatch.setattr(nf4_kernel, "_launch", broken)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    line = nf4_kernel.use(None, quantized=True)
+    assert line == "off (the Triton kernel failed its check here: RuntimeError: PassManager::run failed)", line
+    assert not nf4_kernel.is_on()
+    with pytest.raises(ValueError, match="nf4_kernel: true cannot apply: the Triton kernel failed its check"):
+        nf4_kernel.use(True, quantized=True)
+    monkeypatch.setattr(nf4_kernel, "_launch", lambda w, absmax, code, bs, shape, dt, wrap: torch.zeros(shape, dtype=dt))
+    assert nf4_kernel.use(None, quantized=True) == "off (the Triton kernel's check gave other bits than bitsandbytes' here)"
 
 
 def test_line_and_refusals(monkeypatch):

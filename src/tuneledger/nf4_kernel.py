@@ -53,13 +53,34 @@ def use(wanted: bool | None, quantized: bool, fused: bool = True) -> str:
     if wanted is False:
         return "off"
     why = ("no NF4 base weights" if not quantized else
-           "needs the fused LoRA projection (fused_lora unset or true)" if not fused else why_not())
+           "needs the fused LoRA projection (fused_lora unset or true)" if not fused else why_not() or self_check())
     if why:
         if wanted:
             raise ValueError(f"nf4_kernel: true cannot apply: {why}. Set nf4_kernel=false")
         return f"off ({why})"
     _ON = True
     return "on (Triton NF4 dequantization, bitsandbytes' bits)"
+
+
+def self_check(device: str | None = None) -> str | None:
+    """Run the kernel once on a small random NF4 weight (64 x 256, bf16, on `device`: the current
+    CUDA device by default) and compare it with bitsandbytes' own dequantization, bit for bit.
+    Returns why it cannot be used here (it failed to build or run, or gave other bits: a Triton or
+    GPU this was never run on), or None. About a second, once per process: a training run must
+    never be where a new Triton finds out."""
+    try:
+        import bitsandbytes.functional as bf
+
+        dev = device or ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else f"cuda:{torch.cuda.current_device()}")
+        w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(device=dev, dtype=torch.bfloat16)
+        packed, qs = bf.quantize_4bit(w, quant_type="nf4", compress_statistics=False, blocksize=64)
+        want = bf.dequantize_4bit(packed, qs)
+        got = _launch(packed, qs.absmax, qs.code, 64, [64, 256], torch.bfloat16, None)
+    except Exception as e:  # noqa: BLE001  (any failure means: use bitsandbytes' kernel, and say why)
+        return f"the Triton kernel failed its check here: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        return "the Triton kernel's check gave other bits than bitsandbytes' here"
+    return None
 
 
 def is_on() -> bool:
