@@ -74,7 +74,10 @@ def test_same_bits_as_bitsandbytes_interpreted_on_cpu(tmp_path):
     import triton
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    if numpy.__version__ >= "2" and triton.__version__ < "3.2":
+    def version(v: str) -> tuple:
+        return tuple(int(p) for p in v.split("+")[0].split(".")[:2])
+
+    if version(numpy.__version__) >= (2, 0) and version(triton.__version__) < (3, 2):
         if not (INTERP_NUMPY / "numpy").is_dir():
             pytest.skip(f"{INTERP_NUMPY} is missing: `make test` installs numpy 1.26 there for Triton 3.1's interpreter")
         env["PYTHONPATH"] = os.pathsep.join([str(INTERP_NUMPY)] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -175,6 +178,26 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
         nf4_kernel.use(True, quantized=True)
     monkeypatch.setattr(nf4_kernel, "_launch", lambda w, absmax, code, bs, shape, dt, wrap: torch.zeros(shape, dtype=dt))
     assert nf4_kernel.use(None, quantized=True) == "off (the Triton kernel's check gave other bits than bitsandbytes' here)"
+
+
+@pytest.mark.parametrize("over, match", [
+    ({}, "nf4_kernel: true needs an NF4 base .quantization_bit: 4, quantization_type: nf4., but quantization_bit is None"),
+    ({"quantization_bit": 4, "quantization_type": "fp4"}, "quantization_type fp4"),
+    ({"quantization_bit": 4, "fused_lora": False}, "nf4_kernel: true needs the fused LoRA projection, but fused_lora is false"),
+])
+def test_true_where_the_config_rules_it_out_is_refused_as_it_loads(over, match):
+    """Before any process starts (exit 2 on the command line), not in each rank after the model loads."""
+    from tuneledger.config import ConfigError
+    from tuneledger.config_load import load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "nf4_kernel": True, **over})
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "nf4_kernel": True, "quantization_bit": 4})
+    from tuneledger import speed
+
+    # Preflight, in the launcher: off a GPU (on a CPU quantization_bit: 4 is refused even before).
+    with pytest.raises(ValueError, match="nf4_kernel: true needs a CUDA GPU"):
+        speed.check_levers(cfg, "cpu")
 
 
 def test_line_and_refusals(monkeypatch):

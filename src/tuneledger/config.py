@@ -296,6 +296,13 @@ class JobConfig(BaseModel):
                              "fused_lora (on where it applies) or set grouped_lora=false")
         if self.torch_compile and self.fused_lora is False and self.quantization_bit:
             raise ValueError(COMPILE_NEEDS_FUSED)
+        if self.nf4_kernel and (self.quantization_bit != 4 or self.quantization_type != "nf4"):
+            raise ValueError("nf4_kernel: true needs an NF4 base (quantization_bit: 4, quantization_type: nf4), but "
+                             f"quantization_bit is {self.quantization_bit} and quantization_type {self.quantization_type}: "
+                             "unset nf4_kernel (on where it applies) or set it to false")
+        if self.nf4_kernel and self.fused_lora is False:
+            raise ValueError("nf4_kernel: true needs the fused LoRA projection, but fused_lora is false: unset "
+                             "fused_lora (on where it applies) or set nf4_kernel=false")
         if self.compile_cpp_wrapper and self.torch_compile is False:
             raise ValueError("compile_cpp_wrapper: true needs the compiled layers, but torch_compile is false: unset "
                              "torch_compile (on where it applies) or set compile_cpp_wrapper=false")

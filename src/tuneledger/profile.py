@@ -99,6 +99,14 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
 def markdown(s: dict, step: int) -> str:
     """The table of summarize()'s result, in ms and shares of the step."""
     w = s["wall_s"]
+    if not s["kernel_s"] and not s["launches"]:  # a CPU run: no GPU timeline, so "idle" would mean nothing
+        lines = [f"step {step}: {w * 1e3:.0f} ms wall (profiled), no GPU kernels (a CPU run): where the time went "
+                 "is the CPU ops below", "", "| CPU op (self time) | ms | calls |", "| --- | --- | --- |"]
+        lines += [f"| {n[:80]} | {sec * 1e3:.1f} | {c} |" for n, sec, c in s["top_cpu_ops"]]
+        if s.get("copies"):
+            lines += ["", "| copy op (input shapes < the ops it ran in) | calls |", "| --- | --- |"]
+            lines += [f"| {n[:200]} | {c} |" for n, c in s["copies"]]
+        return "\n".join(lines) + "\n"
     lines = [f"step {step}: {w * 1e3:.0f} ms wall (profiled), GPU kernels {s['kernel_s'] * 1e3:.0f} ms, "
              f"idle {s['idle_share']:.0%}; {s['launches']:,} kernel launches, {s['syncs']} host syncs"
              + (" (" + ", ".join(f"{n} {c}" for n, c in s.get("sync_calls", {}).items()) + ")" if s.get("sync_calls") else ""),
@@ -112,7 +120,7 @@ def markdown(s: dict, step: int) -> str:
         lines += ["", "| GPU kernel | category | ms | calls |", "| --- | --- | --- | --- |"]
         lines += [f"| {n[:100]} | {cat} | {sec * 1e3:.1f} | {c} |" for cat, n, sec, c in s["top_kernels"]]
     if s.get("copies"):
-        lines += ["", "| copy op (input shapes) | calls |", "| --- | --- |"]
+        lines += ["", "| copy op (input shapes < the ops it ran in) | calls |", "| --- | --- |"]
         lines += [f"| {n[:200]} | {c} |" for n, c in s["copies"]]
     if s.get("sync_origins"):
         lines += ["", "| host sync (runtime call < the ops it ran in) | calls |", "| --- | --- |"]

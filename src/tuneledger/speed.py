@@ -203,6 +203,7 @@ def check_levers(cfg: Any, device_type: str) -> str:
 
     Returns the attention line. Raises ValueError naming the key and the fix for an attention
     backend that cannot run here, enable_liger_kernel: true off a GPU or without liger-kernel,
+    nf4_kernel: true off a GPU or without Triton,
     and use_unsloth's own checks (unsloth_backend.check). Levers that contradict each other
     whatever the machine (grouped_lora with dropout, compile_cpp_wrapper without compile, ...)
     are refused as the config loads (config.JobConfig._levers_agree); grouped_lora with
@@ -221,6 +222,13 @@ def check_levers(cfg: Any, device_type: str) -> str:
         except ImportError as e:
             raise ValueError(f"enable_liger_kernel: true, but liger-kernel does not import ({e}); pip install "
                              "liger-kernel, or set enable_liger_kernel=false") from None
+    if cfg.nf4_kernel:  # the kernel's own check against bitsandbytes runs in each rank (nf4_kernel.use)
+        if device_type != "cuda":
+            raise ValueError("nf4_kernel: true needs a CUDA GPU (a Triton kernel); unset it or set it to false")
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"nf4_kernel: true, but Triton does not import ({e}); unset nf4_kernel or set it to false") from None
     return attention
 
 
