@@ -26,6 +26,7 @@ Measured on one H100 (bench/results/h100-2026-12-06c-call1): preset C 8,921 toke
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import List
 
@@ -145,7 +146,9 @@ def _launch(w, absmax, code, blocksize: int, shape: List[int], dtype: torch.dtyp
 # torch >= 2.6: a triton_op, which a compiled layer calls as a Triton kernel of its graph (launched
 # by inductor's wrapper, no Python op in between); older torch (the image's 2.5.1): a custom op,
 # opaque to the compiler as bitsandbytes' ops are. TUNELEDGER_NF4_OP=custom forces the second.
-if hasattr(torch.library, "triton_op") and os.environ.get("TUNELEDGER_NF4_OP") != "custom":
+# Without Triton (a CPU torch) a custom op too: triton_op would warn at every import.
+if (hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None
+        and os.environ.get("TUNELEDGER_NF4_OP") != "custom"):
     @torch.library.triton_op("tuneledger::dequantize_nf4", mutates_args=())
     def dequantize(w: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                    shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006 (torch reads typing.List)
