@@ -277,6 +277,11 @@ class JobConfig(BaseModel):
         return bool(self.fsdp)
 
     @property
+    def nf4_base(self) -> bool:
+        """True when the base loads as NF4 4-bit weights (what nf4_kernel dequantizes)."""
+        return self.quantization_bit == 4 and self.quantization_type == "nf4"
+
+    @property
     def absmax_once_applies(self) -> bool:
         """True when absmax_once would change something here (see absmax_once_applies)."""
         return absmax_once_applies(self.quantization_bit, self.double_quantization, self.sharded)
@@ -296,7 +301,7 @@ class JobConfig(BaseModel):
                              "fused_lora (on where it applies) or set grouped_lora=false")
         if self.torch_compile and self.fused_lora is False and self.quantization_bit:
             raise ValueError(COMPILE_NEEDS_FUSED)
-        if self.nf4_kernel and (self.quantization_bit != 4 or self.quantization_type != "nf4"):
+        if self.nf4_kernel and not self.nf4_base:
             raise ValueError("nf4_kernel: true needs an NF4 base (quantization_bit: 4, quantization_type: nf4), but "
                              f"quantization_bit is {self.quantization_bit} and quantization_type {self.quantization_type}: "
                              "unset nf4_kernel (on where it applies) or set it to false")

@@ -202,8 +202,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # Before grouping, which lays the plain scales out with the weights.
     levers["absmax_once"] = nf4.absmax_once(model, cfg.absmax_once, cfg.sharded)
     levers["fused_lora"] = _lever(fused_lora.fuse_lora, model, wanted["fused_lora"])
-    levers["nf4_kernel"] = _lever(nf4_kernel.use, cfg.nf4_kernel, cfg.quantization_bit == 4 and cfg.quantization_type == "nf4",
-                                  levers["fused_lora"].startswith("on"))
+    levers["nf4_kernel"] = _lever(nf4_kernel.use, cfg.nf4_kernel, cfg.nf4_base, levers["fused_lora"].startswith("on"))
     levers["grouped_lora"] = _lever(grouped.group_lora, model, wanted["grouped_lora"], levers["fused_lora"].startswith("on"),
                                     cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))
     levers["swiglu_recompute"] = _lever(swiglu.recompute_swiglu, model, cfg.swiglu_recompute,

@@ -40,11 +40,16 @@ def why_not() -> str | None:
     TRITON_INTERPRET=1 (Triton's CPU interpreter, for tests) counts as able."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         return "no CUDA GPU"
+    return triton_missing()
+
+
+def triton_missing() -> str | None:
+    """Why Triton cannot build the kernel in this environment (not installed, too old), or None.
+    Touches no GPU: preflight (speed.check_levers) asks it in the launcher."""
     try:
-        import triton  # noqa: F401
         import triton.language as tl
-    except ImportError:
-        return "Triton is not installed"
+    except ImportError as e:
+        return f"Triton does not import ({e})"
     if not hasattr(tl, "join"):
         return "Triton too old (no tl.join)"
     return None

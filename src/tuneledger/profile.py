@@ -101,19 +101,15 @@ def markdown(s: dict, step: int) -> str:
     w = s["wall_s"]
     if not s["kernel_s"] and not s["launches"]:  # a CPU run: no GPU timeline, so "idle" would mean nothing
         lines = [f"step {step}: {w * 1e3:.0f} ms wall (profiled), no GPU kernels (a CPU run): where the time went "
-                 "is the CPU ops below", "", "| CPU op (self time) | ms | calls |", "| --- | --- | --- |"]
-        lines += [f"| {n[:80]} | {sec * 1e3:.1f} | {c} |" for n, sec, c in s["top_cpu_ops"]]
-        if s.get("copies"):
-            lines += ["", "| copy op (input shapes < the ops it ran in) | calls |", "| --- | --- |"]
-            lines += [f"| {n[:200]} | {c} |" for n, c in s["copies"]]
-        return "\n".join(lines) + "\n"
-    lines = [f"step {step}: {w * 1e3:.0f} ms wall (profiled), GPU kernels {s['kernel_s'] * 1e3:.0f} ms, "
-             f"idle {s['idle_share']:.0%}; {s['launches']:,} kernel launches, {s['syncs']} host syncs"
-             + (" (" + ", ".join(f"{n} {c}" for n, c in s.get("sync_calls", {}).items()) + ")" if s.get("sync_calls") else ""),
-             "",
-             "| category | ms | share of the step |", "| --- | --- | --- |"]
-    rows = list(s["categories"].items()) + [("idle", s["idle_s"])]
-    lines += [f"| {name} | {sec * 1e3:.1f} | {sec / w:.1%} |" for name, sec in rows]
+                 "is the CPU ops below"]
+    else:
+        lines = [f"step {step}: {w * 1e3:.0f} ms wall (profiled), GPU kernels {s['kernel_s'] * 1e3:.0f} ms, "
+                 f"idle {s['idle_share']:.0%}; {s['launches']:,} kernel launches, {s['syncs']} host syncs"
+                 + (" (" + ", ".join(f"{n} {c}" for n, c in s.get("sync_calls", {}).items()) + ")" if s.get("sync_calls") else ""),
+                 "",
+                 "| category | ms | share of the step |", "| --- | --- | --- |"]
+        rows = list(s["categories"].items()) + [("idle", s["idle_s"])]
+        lines += [f"| {name} | {sec * 1e3:.1f} | {sec / w:.1%} |" for name, sec in rows]
     lines += ["", "| CPU op (self time) | ms | calls |", "| --- | --- | --- |"]
     lines += [f"| {n[:80]} | {sec * 1e3:.1f} | {c} |" for n, sec, c in s["top_cpu_ops"]]
     if s.get("top_kernels"):

@@ -225,10 +225,11 @@ def check_levers(cfg: Any, device_type: str) -> str:
     if cfg.nf4_kernel:  # the kernel's own check against bitsandbytes runs in each rank (nf4_kernel.use)
         if device_type != "cuda":
             raise ValueError("nf4_kernel: true needs a CUDA GPU (a Triton kernel); unset it or set it to false")
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            raise ValueError(f"nf4_kernel: true, but Triton does not import ({e}); unset nf4_kernel or set it to false") from None
+        from tuneledger import nf4_kernel
+
+        why = nf4_kernel.triton_missing()
+        if why:
+            raise ValueError(f"nf4_kernel: true, but {why}; unset nf4_kernel or set it to false")
     return attention
 
 
