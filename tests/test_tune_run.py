@@ -559,3 +559,25 @@ def test_what_would_fail_every_candidate_fails_once_before_any(tmp_path, tiny_mo
     assert cli.main(["tune", *job(tmp_path, tiny_model), "lora_target=nosuch_proj", "--cpu", "--nproc", "1"]) == 1
     assert "lora_target: nosuch_proj: no such layer" in capsys.readouterr().err
     assert not list((tmp_path / "run").glob("tune/cand-*"))
+
+
+def test_a_budget_stop_gives_each_candidate_left_its_numbered_line(tmp_path, monkeypatch, capsys):
+    """The progress count never jumps: a stop names every candidate it leaves, out of the whole
+    search's count (lever variants included), so [1/5] is followed by [2/5], not by [5/5]."""
+    import argparse
+    import time as _time
+
+    from tuneledger import tune
+
+    def slow(c, k, *a):
+        _time.sleep(0.05)
+        return fake_row(c, 1024), False, "log"
+
+    monkeypatch.setattr(tune, "run_candidate", slow)
+    space = ts.build_space(4, 1, 128, [1], [True], [False])
+    tune.search(space, [], argparse.Namespace(memory_gib=None), True, 1, tmp_path, 0.01, None, total=len(space) + 1)
+    out = capsys.readouterr().out
+    n = len(space) + 1
+    assert f"tune [1/{n}]" in out and space[0].status == "measured", out
+    for k, c in enumerate(space[1:], 2):
+        assert c.status == "not measured" and f"tune [{k}/{n}] {c.short}: not measured: the " in out, out

@@ -99,17 +99,20 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
 
 
 def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
-           tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1, spent: float = 0.0) -> dict:
+           tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1, spent: float = 0.0,
+           total: int | None = None) -> dict:
     """Measure the candidates in order, pruning before each and stopping at the time budget (the
     whole search's `budget_s`, of which `spent` seconds went before this call); the k-th is cand-k
-    (`first`: the first one's k, for the lever variants measured after the space). The candidate
+    (`first`: the first one's k, for the lever variants measured after the space). Progress lines
+    count [k/total] (`total`: the whole search's, lever variants included; default: these), and each
+    candidate gets its line, one the budget stopped included, so the count never jumps. The candidate
     measuring has status "measuring" (a stop names it). Returns the names of the pruned candidates
     (each one's reason is on it) and the elapsed seconds."""
     t0 = time.monotonic()
     walls: list[float] = []
     pruned: list[ts.Candidate] = []
     cap = budget_gib if (args.memory_gib and not cpu) else None  # an OOM under the cap proves "does not fit"
-    n = first - 1 + len(cands)
+    n = total or first - 1 + len(cands)
     for k, c in enumerate(cands, first):
         if c.status != "planned":  # its number is said with why, so the count runs on without a gap
             print(f"tune [{k}/{n}] {c.short}: {c.status}: {c.reason}", flush=True)
@@ -128,6 +131,8 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
                 if rest.status == "planned":
                     rest.status, rest.reason = "not measured", (f"the {fmt_s(budget_s)} budget ran out ({fmt_s(max(0, left))} "
                                                                 f"left, a candidate takes ~{fmt_s(typical)})")
+            for j, rest in enumerate(cands[k - first:], k):
+                print(f"tune [{j}/{n}] {rest.short}: {rest.status}: {rest.reason}", flush=True)
             break
         what = f" = preset {'/'.join(c.presets)}" if c.presets else ""
         print(f"tune [{k}/{n}] {c.label}{what}: measuring; "
@@ -267,7 +272,7 @@ def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> i
     saved = {sig: signal.signal(sig, as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     stop = None  # tune.json's `stopped`: a search cut short by a signal is not the search's answer
     try:
-        info = search(space, items, args, cpu, nproc, tune_dir, budget_s, budget_gib)
+        info = search(space, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, total=len(space) + len(levers))
         if levers:
             try_levers(space, levers, info, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, keep=space)
     except KeyboardInterrupt:
