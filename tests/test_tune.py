@@ -136,6 +136,20 @@ def test_a_tie_with_a_wide_fastest_is_not_a_tie_with_what_lies_between():
     assert r["pick"] == b.short and r["best_preset"]["candidate"] == b.short and wide.short == r["fastest"]
 
 
+def test_a_tie_is_picked_for_memory_only_when_it_needs_clearly_less():
+    """Among tied candidates the pick needs least memory only by a margin (tune_space.MEMORY_MARGIN):
+    a CPU trial picked a tie for 1,971 against 1,978 MiB of RSS, which is noise, not a reason."""
+    space = ts.build_space(16, 1, 1024, [1, 2, 4], [True, False], [False])
+    by = {c.key: c for c in space}
+    fast = measured(by[(2, False, False)], 180, 0.95, 1.05, 20)
+    near = measured(by[(4, True, False)], 178, 0.95, 1.05, 20 * 0.997)  # 0.3% less: noise
+    r = ts.rank(space)
+    assert [t["with"] for t in r["ties"]] == [near.short] and r["pick"] == fast.short and "pick_rule" not in r
+    near.result["peak_gib"] = 20 * 0.9  # 10% less: the pick, and the rule is said
+    r = ts.rank(space)
+    assert r["pick"] == near.short and r["pick_rule"].startswith("the least memory of those tied")
+
+
 def test_a_pick_that_beats_the_presets_says_by_how_much():
     space = ts.build_space(16, 1, 1024, [1, 4], [True], [True])
     by = {c.key: c for c in space}

@@ -581,3 +581,36 @@ def test_a_budget_stop_gives_each_candidate_left_its_numbered_line(tmp_path, mon
     assert f"tune [1/{n}]" in out and space[0].status == "measured", out
     for k, c in enumerate(space[1:], 2):
         assert c.status == "not measured" and f"tune [{k}/{n}] {c.short}: not measured: the " in out, out
+
+
+def test_the_lever_phase_keeps_the_budget_rules_of_the_space(tmp_path, monkeypatch, capsys):
+    """The lever variants are the same search: one the budget stops gets its numbered line, and
+    "the first candidate always runs" is the search's first, not the lever phase's again (a lever
+    run started with 11 s left of a 2 min budget, past a typical 1 min 49 s candidate)."""
+    import argparse
+
+    from tuneledger import tune
+
+    ran = []
+    monkeypatch.setattr(tune, "run_candidate", lambda c, k, *a: (ran.append(k), (fake_row(c, 1024), False, "log"))[1])
+    args = argparse.Namespace(memory_gib=None)
+    items = [str(ROOT / "configs" / "tiny.yaml"), "model_name_or_path=m", "lora_dropout=0"]
+    levers = [{"grouped_lora": "true"}, {"swiglu_recompute": "false"}]
+    space = ts.build_space(4, 1, 128, [1], [True], [False])
+    info = tune.search(space, [], args, True, 1, tmp_path, None, None)
+    # some time left, less than a typical candidate took: no lever runs
+    info.update(elapsed_s=100.0, walls=[30.0] * len(space))
+    ran.clear()
+    capsys.readouterr()
+    v = tune.try_levers(space, levers, info, items, args, True, 1, tmp_path, 120.0, None)
+    out = capsys.readouterr().out
+    assert ran == [] and all(x.status == "not measured" for x in v), out
+    n = len(space) + len(levers)
+    for k, x in enumerate(v, len(space) + 1):
+        assert f"tune [{k}/{n}] {x.short}: not measured: the 2 min 00 s budget ran out" in out, out
+    # no time left at all: each variant still gets its line
+    info["elapsed_s"] = 130.0
+    v = tune.try_levers(space, levers, info, items, args, True, 1, tmp_path, 120.0, None)
+    out = capsys.readouterr().out
+    assert ran == [] and [f"tune [{k}/{n}]" in out for k in (n - 1, n)] == [True, True], out
+    assert "budget ran out before the levers" in out

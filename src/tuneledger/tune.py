@@ -100,16 +100,18 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
 
 def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
            tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1, spent: float = 0.0,
-           total: int | None = None) -> dict:
+           total: int | None = None, walls: list[float] | None = None) -> dict:
     """Measure the candidates in order, pruning before each and stopping at the time budget (the
     whole search's `budget_s`, of which `spent` seconds went before this call); the k-th is cand-k
     (`first`: the first one's k, for the lever variants measured after the space). Progress lines
     count [k/total] (`total`: the whole search's, lever variants included; default: these), and each
-    candidate gets its line, one the budget stopped included, so the count never jumps. The candidate
+    candidate gets its line, one the budget stopped included, so the count never jumps. `walls`: the
+    wall seconds of the candidates measured before this call (the lever phase gets the space's), so
+    "the first candidate always runs" holds once per search, not once per call. The candidate
     measuring has status "measuring" (a stop names it). Returns the names of the pruned candidates
-    (each one's reason is on it) and the elapsed seconds."""
+    (each one's reason is on it), the elapsed seconds and the walls, these calls' appended."""
     t0 = time.monotonic()
-    walls: list[float] = []
+    walls = list(walls or [])
     pruned: list[ts.Candidate] = []
     cap = budget_gib if (args.memory_gib and not cpu) else None  # an OOM under the cap proves "does not fit"
     n = total or first - 1 + len(cands)
@@ -156,7 +158,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
         mem = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] else (f"{r['peak_rss_mib']:,} MiB RSS" if r["peak_rss_mib"] else "-")
         print(f"tune [{k}/{n}] {c.short}: {r['tokens_per_s']:,.0f} tokens/s (p10-p90 {r['tokens_per_s_p10']:,.0f}-"
               f"{r['tokens_per_s_p90']:,.0f}), peak {mem}, fits {fits_word(r['fits'])}, {walls[-1]:.0f} s", flush=True)
-    return {"pruned": [p.short for p in pruned], "elapsed_s": time.monotonic() - t0}
+    return {"pruned": [p.short for p in pruned], "elapsed_s": time.monotonic() - t0, "walls": walls}
 
 
 def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: dict, items: list[str],
@@ -199,12 +201,14 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
             v.status, v.reason = "not measured", "; ".join(idle[k] for k in v.levers)
     left = None if budget_s is None else budget_s - info["elapsed_s"]
     if left is not None and left <= 0:
-        for v in variants:
+        for k, v in enumerate(variants, first):
             if v.status == "planned":
                 v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
+            print(f"tune [{k}/{first - 1 + len(variants)}] {v.short}: {v.status}: {v.reason}", flush=True)
         return variants
     print(f"tune: the pick {pick.short} with each of {', '.join(ts.lever_text(v) for v in levers)}", flush=True)
-    more = search(variants, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, first=first, spent=info["elapsed_s"])
+    more = search(variants, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, first=first, spent=info["elapsed_s"],
+                  walls=info.get("walls"))
     info["elapsed_s"] += more["elapsed_s"]
     info["pruned"] += more["pruned"]
     return variants
@@ -258,7 +262,8 @@ def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> i
     budget_gib = None if cpu else (args.memory_gib or card_memory_gib(nproc))
     tune_dir = cfg.out_dir / "tune"
     tune_dir.mkdir(parents=True, exist_ok=True)
-    print(f"tune: {len(space)} candidates at global batch {gb} on {ledger.plural(world, 'rank')}; {memory_line(cpu, budget_gib)}; "
+    variants = f" (then the pick with each of {ledger.plural(len(levers), 'lever setting')})" if levers else ""
+    print(f"tune: {len(space)} candidates{variants} at global batch {gb} on {ledger.plural(world, 'rank')}; {memory_line(cpu, budget_gib)}; "
           f"time budget {fmt_s(budget_s) if budget_s else 'none'}; each a dry-run of {cfg.dryrun_steps} steps", flush=True)
     if note := cpu_budget_note(cpu, args.memory_gib):
         print(note, flush=True)
