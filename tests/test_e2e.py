@@ -191,8 +191,14 @@ def test_a_dry_run_whose_every_preset_fails_leaves_the_earlier_ledger(tmp_path, 
     earlier whole dryrun.json stays as it was, and this run's failed rows go to dryrun.failed.json."""
     args = [*small(tmp_path, tiny_model, "dry", "dryrun_steps=3", "dryrun_warmup_steps=1"), "--preset", "A",
             "--nproc", "1", "--cpu"]
-    first = tl("dryrun", *args)
+    # The good run profiles its step 2, a measured one (a run of its own would cost another dry-run):
+    # said before the ranks start, marked on the row and in dryrun.md, and the profile is written.
+    first = tl("dryrun", *args, env={"TUNELEDGER_PROFILE_STEP": "2"})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "TUNELEDGER_PROFILE_STEP=2: step 2 is one of the measured steps" in first.stdout
+    assert json.loads((tmp_path / "dry" / "dryrun.json").read_text())["presets"][0]["profiled_step"] == 2
+    assert "Profiled with TUNELEDGER_PROFILE_STEP among the measured steps: A (step 2)" in (tmp_path / "dry" / "dryrun.md").read_text()
+    assert list((tmp_path / "dry").rglob("profile-step2.md"))
     before = (tmp_path / "dry" / "dryrun.json").read_bytes()
     crashed = tl("dryrun", *args, env={"TUNELEDGER_CRASH_AFTER_STEP": "1"})
     assert crashed.returncode == 1, crashed.stdout[-3000:] + crashed.stderr[-3000:]

@@ -181,7 +181,7 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
 
 
 @pytest.mark.parametrize("over, match", [
-    ({}, "nf4_kernel: true needs an NF4 base .quantization_bit: 4, quantization_type: nf4., but quantization_bit is None"),
+    ({}, "nf4_kernel: true needs an NF4 base .quantization_bit: 4, quantization_type: nf4., but quantization_bit is null"),
     ({"quantization_bit": 4, "quantization_type": "fp4"}, "quantization_type fp4"),
     ({"quantization_bit": 4, "fused_lora": False}, "nf4_kernel: true needs the fused LoRA projection, but fused_lora is false"),
 ])

@@ -303,7 +303,8 @@ class JobConfig(BaseModel):
             raise ValueError(COMPILE_NEEDS_FUSED)
         if self.nf4_kernel and not self.nf4_base:
             raise ValueError("nf4_kernel: true needs an NF4 base (quantization_bit: 4, quantization_type: nf4), but "
-                             f"quantization_bit is {self.quantization_bit} and quantization_type {self.quantization_type}: "
+                             f"quantization_bit is {'null' if self.quantization_bit is None else self.quantization_bit} and "
+                             f"quantization_type {self.quantization_type}: "
                              "unset nf4_kernel (on where it applies) or set it to false")
         if self.nf4_kernel and self.fused_lora is False:
             raise ValueError("nf4_kernel: true needs the fused LoRA projection, but fused_lora is false: unset "

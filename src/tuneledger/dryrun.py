@@ -25,6 +25,7 @@ from typing import Any
 
 from tuneledger import unsloth_backend
 from tuneledger import eta as eta_
+from tuneledger import profile_step
 from tuneledger import ledger
 from tuneledger.checkpoints import time_publish
 from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, resolve
@@ -225,6 +226,8 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
             if retries:
                 row["fits_24gb_note"] += f"; {retries} allocator retries: the cap slowed it"
         row["world_size"] = world
+        if (step := profile_step.requested()) and cfg.dryrun_warmup_steps < step <= cfg.dryrun_steps:
+            row["profiled_step"] = step  # measured with the profiler on: slower than the others
         row["per_gpu_peak"] = peak_by_world(row)  # DDP's measured beside F's predicted (sharding.py)
         rows.append(row)
         results[name] = result
@@ -265,6 +268,9 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     startup = {"python_start_s": eta_.process_age_s()}
     locate_model(base.model_name_or_path)  # at once, before torch loads
     check_data(base)  # and a dataset that is not there
+    profiled = profile_step.requested()  # a bad value: one sentence here, not a traceback per rank
+    for note in profile_step.notes(profiled, base.dryrun_steps, base.dryrun_warmup_steps):
+        print(note, flush=True)
     cpu, nproc = processes(args.cpu, args.nproc)
     world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(DDP_PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]

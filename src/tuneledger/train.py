@@ -20,7 +20,7 @@ from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
-from tuneledger import unsloth_backend
+from tuneledger import profile_step, unsloth_backend
 from tuneledger import eta as eta_
 from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
 from tuneledger.config import JobConfig, describe, resolve
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
             nodes = from_args(args)
             locate_model(base.model_name_or_path)  # at once, before torch loads
             check_data(base)  # and a dataset that is not there
+            profile_step.requested()  # a bad value: one sentence here, not a traceback per rank
             cpu, nproc = processes(args.cpu, args.nproc)
             world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
             cfg = resolve(base, world)
@@ -175,6 +176,8 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         print(f"tuneledger train: {refusal}", file=sys.stderr)
         return 2
     steps = total_steps(prep.report, cfg)
+    for note in profile_step.notes(profile_step.requested(), steps):
+        print(note, flush=True)
     if resume:
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
         conflicts = resume_conflicts(resume, cfg)

@@ -1,0 +1,45 @@
+"""TUNELEDGER_PROFILE_STEP, read once by the launcher (dry-run and train) before any rank starts:
+a bad value is refused with a sentence instead of a traceback in every rank, a step the run never
+reaches is said instead of a silent "no profile", and a profiled step among a dry-run's measured
+steps is said, since the profiler's own bookkeeping slows it (profile.py)."""
+
+from __future__ import annotations
+
+import os
+
+from tuneledger.config import ConfigError
+
+ENV = "TUNELEDGER_PROFILE_STEP"
+
+
+def requested() -> int | None:
+    """The optimizer step (1-based) that $TUNELEDGER_PROFILE_STEP asks to profile, None when unset
+    or empty. Raises ConfigError for anything but a whole number >= 1."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        step = int(raw)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise ConfigError(f"{ENV}={raw!r}: not a step number; set it to a whole number >= 1 (the optimizer step "
+                          f"to profile, 1-based), or unset it")
+    return step
+
+
+def notes(step: int | None, total_steps: int, warmup_steps: int | None = None) -> list[str]:
+    """What to say before the ranks start about profiling `step` of a run of `total_steps` optimizer
+    steps; `warmup_steps`: a dry-run's (its steps after them are the measured ones), None for train.
+    [] when there is nothing to say."""
+    if step is None:
+        return []
+    if step > total_steps:
+        return [f"note: {ENV}={step}: this run makes {total_steps} steps, so no step is profiled "
+                f"(set it to 1-{total_steps})"]
+    if warmup_steps is not None and step > warmup_steps:
+        return [f"note: {ENV}={step}: step {step} is one of the measured steps, and the profiler's own "
+                "bookkeeping slows it: the median s/step moves little, the mean step and tokens/s on the mean "
+                f"more (the ledger's profiled_step). Profile a warm-up step (<= {warmup_steps}) to keep the "
+                "measured steps clean, or add a step (dryrun_steps) and read the profile only"]
+    return []
