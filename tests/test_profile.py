@@ -13,6 +13,8 @@ from tuneledger import profile
 
 def test_kernel_names_fall_in_their_category():
     assert profile.category("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, ...)") == "dequant"
+    # our Triton kernel and Unsloth's: dequantization too, not "other" and "fused Triton" (2026-12-06d profiles)
+    assert profile.category("nf4_dequant") == profile.category("_nf4_dequant_kernel") == "dequant"
     assert profile.category("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
     assert profile.category("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "matmul"
     assert profile.category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"

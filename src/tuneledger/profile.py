@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 # Kernel name fragments, first match wins (lower case). Matmuls: cuBLAS/cuBLASLt/CUTLASS names.
 CATEGORIES = (
     ("all-reduce", ("nccl",)),
-    ("dequant", ("dequantize", "kdequant")),
+    ("dequant", ("dequant",)),  # bitsandbytes' kDequantizeBlockwise, our nf4_dequant, Unsloth's _nf4_dequant_kernel
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("optimizer", ("multi_tensor_apply", "adam", "fused_adam")),
     ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "splitk")),
