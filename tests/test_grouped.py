@@ -84,6 +84,19 @@ def test_grouped_equals_the_fused_projections(tiny_model, monkeypatch):
     assert g.x is None and g.pending == [None, None, None]  # nothing kept after the group's last member
 
 
+def test_grouped_with_lora_added_in_place_equals_out_of_place(tiny_model, monkeypatch):
+    """TUNELEDGER_ADDMM=inplace (fused_lora.add_product) in the groups' forward and backward: the
+    same loss and gradients as out of place (eager; the compiled op: tests/test_speed.py)."""
+    from tuneledger import fused_lora
+
+    l0, g0 = _grads(_model(tiny_model, True))
+    monkeypatch.setattr(fused_lora, "ADDMM_INPLACE", True)
+    l1, g1 = _grads(_model(tiny_model, True))
+    assert abs(l0 - l1) < 1e-6 * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < 1e-5, (name, rel)
+
+
 @pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
 def test_grouped_nf4_equals_the_fused_projections(tiny_model):
     """The same over NF4 bases (double quantization, bf16 compute): each member dequantized with

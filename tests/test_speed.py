@@ -349,6 +349,34 @@ def test_compiled_fused_projection_has_eager_gradients(tiny_model, quant):
 
 
 @pytest.mark.slow
+def test_lora_added_in_place_has_the_same_gradients_eager_and_compiled(tiny_model, monkeypatch):
+    """TUNELEDGER_ADDMM=inplace (fused_lora.add_product): the LoRA term and dx added into the GEMM's
+    own output give the out-of-place loss and gradients, eager and in compiled layers, and the
+    compiled graph calls tuneledger::addmm_ (kept in place, not turned back into a copy)."""
+    from torch import _dynamo
+
+    from tuneledger import fused_lora
+
+    (l0, g0) = _grads(_lora_model(tiny_model, True)[0], IDS)
+    monkeypatch.setattr(fused_lora, "ADDMM_INPLACE", True)
+    (l1, g1) = _grads(_lora_model(tiny_model, True)[0], IDS)
+    assert abs(l0 - l1) < 1e-6 * abs(l0), (l0, l1)
+    rel, name = _worst(g0, g1)
+    assert rel < 1e-5, (name, rel)
+    _dynamo.reset()  # traced anew with the in-place op, not reused from another test's graphs
+    m, line = _lora_model(tiny_model, True)
+    assert "LoRA added in place: TUNELEDGER_ADDMM=inplace" in line  # the ledger says how it ran
+    compiled.compile_layers(m, True, DEVICE, fused=True, quantized=False)
+    before = fused_lora.addmm_calls[0]
+    (l2, g2) = _grads(m, IDS)
+    _dynamo.reset()
+    assert fused_lora.addmm_calls[0] > before  # the compiled layers ran the op
+    assert abs(l0 - l2) < 1e-5 * abs(l0), (l0, l2)
+    rel, name = _worst(g0, g2)
+    assert rel < 1e-4, (name, rel)
+
+
+@pytest.mark.slow
 def test_cpp_wrapper_compiled_layers_have_eager_gradients(tiny_model):
     """compile_cpp_wrapper launches the same kernels from C++: loss and gradients equal eager's
     (dense on 2 CPU cores, inductor's CPU C++ wrapper; the H200's CUDA one was 8.9e-05 from the

@@ -7,12 +7,44 @@ lora_backward) and the 4-bit dequantization (_dequantize) are shared with groupe
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from tuneledger import nf4_kernel
 from tuneledger.compiled import dequant_in_graph
+
+# TUNELEDGER_ADDMM=inplace (an A/B, off until a bench row shows it pays): the LoRA term, and
+# backward's dx, are added into the first GEMM's fresh output in place. Out of place, a compiled
+# layer's aten::addmm first copies that output: a device-to-device copy per projection, 1,792 a
+# preset C step, 36 ms of 1.18 s on an H100 (bench/results/h100-2026-12-06d-call1; Unsloth adds in
+# place). In a compiled graph in place needs an op the compiler cannot turn back into a copy:
+# tuneledger::addmm_, which mutates `out` (inductor's reinplacing keeps it in place).
+ADDMM_INPLACE = os.environ.get("TUNELEDGER_ADDMM") == "inplace"
+addmm_calls = [0]  # the op's calls in this process (tests: the compiled graph kept it)
+
+
+@torch.library.custom_op("tuneledger::addmm_", mutates_args=("out",))
+def _addmm_op(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    addmm_calls[0] += 1
+    out.addmm_(a, b, alpha=alpha)
+
+
+@_addmm_op.register_fake
+def _(out, a, b, alpha):
+    return None
+
+
+def add_product(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """y + alpha (a @ b): y [T, n], a [T, k], b [k, n]. Under TUNELEDGER_ADDMM=inplace y itself is
+    updated and returned (y must be a fresh GEMM output that nothing else holds), else a new tensor."""
+    if not ADDMM_INPLACE:
+        return torch.addmm(y, a, b, alpha=alpha)
+    if torch.compiler.is_compiling():
+        torch.ops.tuneledger.addmm_(y, a, b, alpha)
+        return y
+    return y.addmm_(a, b, alpha=alpha)
 
 
 def base_weight_inputs(base: Any) -> tuple:
@@ -126,7 +158,7 @@ def lora_forward(x, wd, A, B, bias, scale: float, p: float) -> tuple:
     else:
         xd = x
     a = xd @ A.to(dt).t()
-    return torch.addmm(y, a, B.to(dt).t(), alpha=scale), a, mask
+    return add_product(y, a, B.to(dt).t(), scale), a, mask
 
 
 def lora_backward(dy, x, a, A, B, wd, scale: float, p: float, mask) -> tuple:
@@ -141,7 +173,7 @@ def lora_backward(dy, x, a, A, B, wd, scale: float, p: float, mask) -> tuple:
     if mask is not None:
         dlora = torch.ops.aten.native_dropout_backward(dlora, mask, 1.0 / (1.0 - p))
         xd = torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - p))
-    dx = torch.addmm(dlora, dy, wd)
+    dx = add_product(dlora, dy, wd)
     return dx, (dyb.t() @ xd).mul_(scale).to(A.dtype), (dy.t() @ a).mul_(scale).to(B.dtype)
 
 
@@ -175,7 +207,7 @@ def fuse_lora(model: Any, wanted: bool | None) -> str:
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     for m in layers:
         m.forward = types.MethodType(_fused_forward, m)
-    return f"on ({len(layers)} projections)"
+    return f"on ({len(layers)} projections{'; LoRA added in place: TUNELEDGER_ADDMM=inplace' if ADDMM_INPLACE else ''})"
 
 
 def fused_lora_blocker(model: Any) -> str | None:

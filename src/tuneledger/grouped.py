@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuneledger.fused_lora import _dequantize, _fused_forward, base_weight_inputs, plain_absmax
+from tuneledger.fused_lora import _dequantize, _fused_forward, add_product, base_weight_inputs, plain_absmax
 from tuneledger.speed import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -101,7 +101,7 @@ class GroupedLoraProjection(torch.autograd.Function):
         else:
             y = x @ wd.t()
         a = x @ A.t()
-        y = torch.addmm(y, a, B.t(), alpha=scale)
+        y = add_product(y, a, B.t(), scale)
         ctx.save_for_backward(x, a, gw, gabsmax, *flat)
         ctx.metas, ctx.outs, ctx.scale, ctx.layout = metas, outs, scale, layout
         return y
@@ -114,7 +114,7 @@ class GroupedLoraProjection(torch.autograd.Function):
         wd, A, B = _weights(members, ctx.metas, gw, gabsmax, ctx.layout, dt)
         dy = dy.to(dt)
         dyb = dy @ B
-        dx = torch.addmm((dyb @ A).mul_(s), dy, wd)
+        dx = add_product((dyb @ A).mul_(s), dy, wd)
         r = A.shape[0] // k
         dA = (dyb.t() @ x).mul_(s)  # [k r, in]
         dB = (dy.t() @ a).mul_(s)  # [sum out, k r]: only the diagonal blocks are B's gradients
