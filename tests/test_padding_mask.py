@@ -48,7 +48,7 @@ def test_real_tokens_see_the_same_without_the_padding_mask(tiny_model, qwen_toke
 
 def test_the_lever_says_when_it_runs(qwen_tokenizer):
     assert padding_mask_lever(_cfg(drop_padding_mask=False), qwen_tokenizer) == (False, "off")
-    assert padding_mask_lever(_cfg(), qwen_tokenizer) == (True, "on (right padding: the causal mask alone, no padding mask)")
+    assert padding_mask_lever(_cfg(), qwen_tokenizer) == (True, "on (right padding: the causal mask alone, no padding mask, no packed-sample probe)")
     assert padding_mask_lever(_cfg(use_unsloth=True), qwen_tokenizer)[1].startswith("off (use_unsloth")
     assert padding_mask_lever(_cfg(use_unsloth=True, drop_padding_mask=True), qwen_tokenizer)[0] is True
     assert padding_mask_lever(_cfg(drop_padding_mask=True, packing=True), qwen_tokenizer)[1].startswith("off (packed")
@@ -80,3 +80,32 @@ def test_training_step_counts_real_tokens_and_drops_the_mask(tiny_model, qwen_to
         t.training_step(m, dict(b))
         assert t.tokens.item() == b["attention_mask"].sum().item()  # real tokens, not the padded row length
     assert seen == [True, False]
+
+
+def test_without_the_mask_the_packed_sample_probe_answers_without_looking(tiny_model, qwen_tokenizer, monkeypatch):
+    """trainer.unpacked_rows: padded rows without their mask make transformers probe position_ids
+    for packed samples (a host sync per micro-batch on a GPU). Inside the block the probe answers
+    None without computing, the logits are those of the masked batch, and outside it (a packed
+    row elsewhere in the process) the probe runs as before."""
+    import transformers.masking_utils as mu
+    from transformers import AutoModelForCausalLM
+
+    from tuneledger.trainer import unpacked_rows
+
+    calls = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda p: calls.append(p) or real(p))
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    m.config.use_cache = False  # as in training: with a cache transformers does not probe
+    b = _batch(qwen_tokenizer)
+    mask = b["attention_mask"].bool()
+    with torch.no_grad():
+        masked = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        m(input_ids=b["input_ids"])
+        assert len(calls) == 1  # without a mask, transformers probes: once per forward
+        with unpacked_rows():
+            bare = m(input_ids=b["input_ids"]).logits
+        assert len(calls) == 1  # not probed inside the block
+        packed = torch.tensor([[0, 1, 2, 0, 1]])
+        assert mu.find_packed_sequence_indices(packed) is not None and len(calls) == 2  # outside: probed again
+    assert torch.allclose(masked[mask], bare[mask], atol=1e-5, rtol=1e-4)

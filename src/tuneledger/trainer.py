@@ -5,6 +5,7 @@ collator (padded, or packed without cross-sample attention) and a job's Training
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -60,7 +61,10 @@ class LedgerTrainer(Trainer):
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         if self.drop_padding_mask and mask is not None:
             inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
-        loss = super().training_step(model, inputs, num_items_in_batch)
+            with unpacked_rows():
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        else:
+            loss = super().training_step(model, inputs, num_items_in_batch)
         # The micro-batch losses of a step add up to the step's loss, as the Trainer logs it
         # (each is scaled by the step's token count or the accumulation); kept on the device.
         self.loss_sum += loss.detach().float()
@@ -266,12 +270,39 @@ def time_loss_plot(png: Path, points: int) -> dict:
     return {"first_s": times[0], "next_s": times[1], "points": len(state.log_history)}
 
 
+_UNPACKED = [False]  # inside unpacked_rows(): the rows are padded, never packed
+
+
+@contextlib.contextmanager
+def unpacked_rows():
+    """Padded rows without their mask (drop_padding_mask): transformers then probes position_ids
+    for packed samples (masking_utils.find_packed_sequence_indices) with `if (...).all()`, a host
+    sync per micro-batch (aten::is_nonzero, 8 a preset C step on an H100:
+    bench/results/h100-2026-12-06d-call1). These rows are never packed, so its answer is known,
+    None, and within this block the probe gives it without looking. A transformers without the
+    probe: nothing changes."""
+    import transformers.masking_utils as mu
+
+    probe = getattr(mu, "find_packed_sequence_indices", None)
+    if probe is not None and not getattr(probe, "_tuneledger", False):
+        def known_unpacked(position_ids, *a, **kw):
+            return None if _UNPACKED[0] else probe(position_ids, *a, **kw)
+
+        known_unpacked._tuneledger = True
+        mu.find_packed_sequence_indices = known_unpacked
+    _UNPACKED[0] = True
+    try:
+        yield
+    finally:
+        _UNPACKED[0] = False
+
+
 def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
     """drop_padding_mask: whether training steps drop the padded micro-batch's attention mask, and
     the ledger's line. Exact with right padding: a real token attends only to earlier positions,
     all of them real, so the causal mask alone gives every supervised token (and the loss) the
-    same attention. Without a padding mask transformers skips its all-ones check (a host sync) and
-    SDPA runs is_causal, its flash kernel, instead of the masked memory-efficient one. Pad
+    same attention. Without a padding mask transformers skips its all-ones check (a host sync), its
+    packed-sample probe is answered without a sync (unpacked_rows), and SDPA runs is_causal, its flash kernel, instead of the masked memory-efficient one. Pad
     positions then attend to the tokens before them; their outputs are never supervised (label -100)."""
     if cfg.drop_padding_mask is False:
         return False, "off"
@@ -282,7 +313,7 @@ def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
         return False, "off (packed rows carry no padding mask)"
     if getattr(tokenizer, "padding_side", "right") != "right":
         return False, f"off (padding on the {tokenizer.padding_side}: the mask is needed)"
-    return True, "on (right padding: the causal mask alone, no padding mask)"
+    return True, "on (right padding: the causal mask alone, no padding mask, no packed-sample probe)"
 
 
 def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> Any:
