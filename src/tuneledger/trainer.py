@@ -302,7 +302,8 @@ def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
     the ledger's line. Exact with right padding: a real token attends only to earlier positions,
     all of them real, so the causal mask alone gives every supervised token (and the loss) the
     same attention. Without a padding mask transformers skips its all-ones check (a host sync), its
-    packed-sample probe is answered without a sync (unpacked_rows), and SDPA runs is_causal, its flash kernel, instead of the masked memory-efficient one. Pad
+    packed-sample probe is answered without a sync (unpacked_rows), and SDPA runs is_causal, its
+    flash kernel, instead of the masked memory-efficient one. Pad
     positions then attend to the tokens before them; their outputs are never supervised (label -100)."""
     if cfg.drop_padding_mask is False:
         return False, "off"

@@ -98,6 +98,11 @@ def run_candidate(c: ts.Candidate, k: int, items: list[str], args: argparse.Name
     return row, oom, str(log)
 
 
+def say_unmeasured(k: int, n: int, c: ts.Candidate) -> None:
+    """The progress line of the k-th of n candidates that is not measured: its status and why."""
+    print(f"tune [{k}/{n}] {c.short}: {c.status}: {c.reason}", flush=True)
+
+
 def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace, cpu: bool, nproc: int,
            tune_dir: Path, budget_s: float | None, budget_gib: float | None, first: int = 1, spent: float = 0.0,
            total: int | None = None, walls: list[float] | None = None) -> dict:
@@ -117,7 +122,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
     n = total or first - 1 + len(cands)
     for k, c in enumerate(cands, first):
         if c.status != "planned":  # its number is said with why, so the count runs on without a gap
-            print(f"tune [{k}/{n}] {c.short}: {c.status}: {c.reason}", flush=True)
+            say_unmeasured(k, n, c)
             continue
         done = [d for d in cands if d.status in ("measured", "out of memory")]
         for p in ts.prune(cands, done, budget_gib):
@@ -134,7 +139,7 @@ def search(cands: list[ts.Candidate], items: list[str], args: argparse.Namespace
                     rest.status, rest.reason = "not measured", (f"the {fmt_s(budget_s)} budget ran out ({fmt_s(max(0, left))} "
                                                                 f"left, a candidate takes ~{fmt_s(typical)})")
             for j, rest in enumerate(cands[k - first:], k):
-                print(f"tune [{j}/{n}] {rest.short}: {rest.status}: {rest.reason}", flush=True)
+                say_unmeasured(j, n, rest)
             break
         what = f" = preset {'/'.join(c.presets)}" if c.presets else ""
         print(f"tune [{k}/{n}] {c.label}{what}: measuring; "
@@ -204,7 +209,7 @@ def try_levers(space: list[ts.Candidate], levers: list[dict[str, str]], info: di
         for k, v in enumerate(variants, first):
             if v.status == "planned":
                 v.status, v.reason = "not measured", f"the {fmt_s(budget_s)} budget ran out before the levers"
-            print(f"tune [{k}/{first - 1 + len(variants)}] {v.short}: {v.status}: {v.reason}", flush=True)
+            say_unmeasured(k, first - 1 + len(variants), v)
         return variants
     print(f"tune: the pick {pick.short} with each of {', '.join(ts.lever_text(v) for v in levers)}", flush=True)
     more = search(variants, items, args, cpu, nproc, tune_dir, budget_s, budget_gib, first=first, spent=info["elapsed_s"],

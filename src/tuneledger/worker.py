@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuneledger import unsloth_backend
+from tuneledger import profile_step, unsloth_backend
 
 unsloth_backend.import_first()  # use_unsloth: Unsloth patches transformers and peft as it imports, so first
 
@@ -155,10 +155,10 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         timeline["order_s"] = time.perf_counter() - t_order  # dry-run only: not part of the ETA's set-up
     if os.environ.get("TUNELEDGER_SYNC_DEBUG") and cuda:
         trainer.add_callback(SyncDebug(int(os.environ["TUNELEDGER_SYNC_DEBUG"])))
-    if os.environ.get("TUNELEDGER_PROFILE_STEP"):
+    if profiled := profile_step.requested():  # the launcher already refused a bad value
         from tuneledger.profile import StepProfile
 
-        trainer.add_callback(StepProfile(int(os.environ["TUNELEDGER_PROFILE_STEP"]), out_dir, rank))
+        trainer.add_callback(StepProfile(profiled, out_dir, rank))
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
