@@ -165,3 +165,15 @@ def test_a_preset_whose_own_settings_were_overridden_is_starred(tiny_model):
     row = {"preset": "A", "preset_overrides": {"packing": True}}
     assert label(row) == "A*" and label({"preset": "B", "preset_overrides": {}}) == "B"
     assert override_lines([row]) == ["* A: packing=True (the preset's own settings overridden)"]
+
+
+def test_markdown_with_no_finished_preset_says_so_instead_of_an_empty_split_table():
+    # A dry-run stopped (SIGTERM) before any preset's measured steps: only skipped rows.
+    md = markdown({**led([{"preset": "A", "skipped": "stopped by SIGTERM before its measured steps"}]), "run_name": "r",
+                   "date": "d", "host": "h", "model": "m", "topology": {"link": "x", "matrix": ""}, "dataset": ["d.json"],
+                   "stats": {"records": {"valid": 1}, "tokens": {"trained": 1}, "steps_per_epoch": 1},
+                   "global_batch_size": 16, "data_hash": "abc", "versions": {}, "dryrun_steps": 9, "config": {}})
+    split = md.split("## Where the step time goes")[1].split("\n## ")[0]
+    assert "No preset finished its measured steps" in split
+    assert "| preset | forward+backward" not in split and "| --- |" not in split
+    assert "| A | skipped: stopped by SIGTERM" in md
