@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from tuneledger.config_load import load_config
 from tuneledger.data import encode
-from tuneledger.trainer import make_collator
+from tuneledger.rows import make_collator
 
 
 def per_sample_losses(logits, labels, spans):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tuneledger.config_load import load_config
-from tuneledger.trainer import make_collator, padding_mask_lever
+from tuneledger.rows import make_collator, padding_mask_lever
 
 
 def _cfg(**over):
@@ -82,15 +82,41 @@ def test_training_step_counts_real_tokens_and_drops_the_mask(tiny_model, qwen_to
     assert seen == [True, False]
 
 
+def test_training_step_answers_the_probe_for_the_packing_collator_s_rows(tiny_model, qwen_tokenizer, tmp_path, monkeypatch):
+    """A packed micro-batch (make_collator with packing: one row, position_ids, no mask) trains
+    inside known_rows("packed"): transformers' probe is never called, every token is counted."""
+    import transformers.masking_utils as mu
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from tuneledger.trainer import LedgerTrainer
+
+    calls = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda p: calls.append(p) or real(p))
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    m.config.use_cache = False
+    feats = [{"input_ids": qwen_tokenizer(t)["input_ids"]} for t in ("one two three", "four five", "six")]
+    feats = [{**f, "labels": f["input_ids"]} for f in feats]
+    b = make_collator(_cfg(packing=True), qwen_tokenizer)(feats)
+    assert "attention_mask" not in b and "position_ids" in b
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=3)
+    t = LedgerTrainer(model=m, args=args, n_params=1, drop_padding_mask=False)
+    t.current_gradient_accumulation_steps = 1
+    loss = t.training_step(m, dict(b))
+    assert torch.isfinite(loss) and calls == [] and t.tokens.item() == b["input_ids"].numel()
+    m(input_ids=b["input_ids"], position_ids=b["position_ids"])
+    assert len(calls) == 1  # outside a training step the probe runs as before
+
+
 def test_without_the_mask_the_packed_sample_probe_answers_without_looking(tiny_model, qwen_tokenizer, monkeypatch):
-    """trainer.unpacked_rows: padded rows without their mask make transformers probe position_ids
+    """trainer.known_rows("padded"): padded rows without their mask make transformers probe position_ids
     for packed samples (a host sync per micro-batch on a GPU). Inside the block the probe answers
     None without computing, the logits are those of the masked batch, and outside it (a packed
     row elsewhere in the process) the probe runs as before."""
     import transformers.masking_utils as mu
     from transformers import AutoModelForCausalLM
 
-    from tuneledger.trainer import unpacked_rows
+    from tuneledger.rows import known_rows
 
     calls = []
     real = mu.find_packed_sequence_indices
@@ -103,9 +129,47 @@ def test_without_the_mask_the_packed_sample_probe_answers_without_looking(tiny_m
         masked = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
         m(input_ids=b["input_ids"])
         assert len(calls) == 1  # without a mask, transformers probes: once per forward
-        with unpacked_rows():
+        with known_rows("padded"):
             bare = m(input_ids=b["input_ids"]).logits
         assert len(calls) == 1  # not probed inside the block
         packed = torch.tensor([[0, 1, 2, 0, 1]])
         assert mu.find_packed_sequence_indices(packed) is not None and len(calls) == 2  # outside: probed again
     assert torch.allclose(masked[mask], bare[mask], atol=1e-5, rtol=1e-4)
+
+
+def test_packed_rows_get_the_probe_s_answer_without_its_check(tiny_model, monkeypatch):
+    """trainer.known_rows("packed"): the packing collator's rows (no mask, position_ids restarting
+    per sample) get transformers' own sample indices without its `.all()` check (a host sync per
+    micro-batch on a GPU), and the logits equal the probed forward's, for SDPA and eager; a row of
+    one sample gets zeros, which transformers treats as None (same logits). A kind that is neither
+    is a ValueError."""
+    import transformers.masking_utils as mu
+    from transformers import AutoModelForCausalLM
+
+    from tuneledger.rows import known_rows
+
+    calls = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda p: calls.append(p) or real(p))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    rows = {"packed": torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]]), "one sample": torch.arange(9)[None]}
+    for attn in ("sdpa", "eager"):
+        m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attn).eval()
+        m.config.use_cache = False
+        for name, pos in rows.items():
+            with torch.no_grad():
+                probed = m(input_ids=ids, position_ids=pos).logits
+                n = len(calls)
+                with known_rows("packed"):
+                    assert mu.find_packed_sequence_indices(pos).tolist() == (
+                        [[0, 0, 0, 0, 1, 1, 2, 2, 2]] if name == "packed" else [[0] * 9])
+                    known = m(input_ids=ids, position_ids=pos).logits
+                assert len(calls) == n, "probed inside the block"
+            assert torch.allclose(probed, known, atol=1e-5, rtol=1e-4), (attn, name)
+    # The packed row's samples really are apart: the second sample's logits equal its own forward's.
+    with torch.no_grad(), known_rows("packed"):
+        alone = m(input_ids=ids[:, 4:6], position_ids=torch.tensor([[0, 1]])).logits
+        assert torch.allclose(m(input_ids=ids, position_ids=rows["packed"]).logits[:, 4:6], alone, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="'padding'"):
+        with known_rows("padding"):
+            pass

@@ -16,7 +16,7 @@ from tuneledger import compiled, fused_lora, speed
 from tuneledger.config_load import load_config
 from tuneledger.config import ConfigError
 from tuneledger.data import encode
-from tuneledger.trainer import make_collator
+from tuneledger.rows import make_collator
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -83,7 +83,7 @@ class JobConfig(BaseModel):
     # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above
     use_unsloth: bool = False
     # padded micro-batches train without their attention mask (right padding makes causal attention
-    # alone exact: trainer.padding_mask_lever), so SDPA runs its flash kernel. null: on for right-padded rows
+    # alone exact: rows.padding_mask_lever), so SDPA runs its flash kernel. null: on for right-padded rows
     drop_padding_mask: bool | None = None
     # the MLP's down_proj input silu(gate) x up remade in backward from gate and up, not kept
     # (swiglu.py): T x intermediate values per layer less memory without checkpointing. On an H100:

@@ -1,11 +1,10 @@
 """transformers' Trainer as the worker runs it: `LedgerTrainer` (real tokens counted, each step's
-loss kept on the device, checkpoint state loaded safely, a full disk named), its callbacks, the
-collator (padded, or packed without cross-sample attention) and a job's TrainingArguments.
+loss kept on the device, checkpoint state loaded safely, a full disk named), its callbacks and a
+job's TrainingArguments. The collator and what it tells of the rows: rows.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
@@ -25,6 +24,7 @@ from tuneledger.checkpoints import MANIFEST  # noqa: E402
 from tuneledger.config import JobConfig  # noqa: E402
 from tuneledger.files import disk_full  # noqa: E402
 from tuneledger.guards import DiskFullError, SealCheckpoint, disk_full_message  # noqa: E402
+from tuneledger.rows import known_rows  # noqa: E402
 from tuneledger.safeload import checkpoint_loading  # noqa: E402
 
 
@@ -61,7 +61,10 @@ class LedgerTrainer(Trainer):
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         if self.drop_padding_mask and mask is not None:
             inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
-            with unpacked_rows():
+            with known_rows("padded"):
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        elif mask is None and "position_ids" in inputs:  # the packing collator's rows (make_collator)
+            with known_rows("packed"):
                 loss = super().training_step(model, inputs, num_items_in_batch)
         else:
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -268,74 +271,6 @@ def time_loss_plot(png: Path, points: int) -> dict:
         times.append(time.perf_counter() - t0)
     png.unlink(missing_ok=True)
     return {"first_s": times[0], "next_s": times[1], "points": len(state.log_history)}
-
-
-_UNPACKED = [False]  # inside unpacked_rows(): the rows are padded, never packed
-
-
-@contextlib.contextmanager
-def unpacked_rows():
-    """Padded rows without their mask (drop_padding_mask): transformers then probes position_ids
-    for packed samples (masking_utils.find_packed_sequence_indices) with `if (...).all()`, a host
-    sync per micro-batch (aten::is_nonzero, 8 a preset C step on an H100:
-    bench/results/h100-2026-12-06d-call1). These rows are never packed, so its answer is known,
-    None, and within this block the probe gives it without looking. A transformers without the
-    probe: nothing changes."""
-    import transformers.masking_utils as mu
-
-    probe = getattr(mu, "find_packed_sequence_indices", None)
-    if probe is not None and not getattr(probe, "_tuneledger", False):
-        def known_unpacked(position_ids, *a, **kw):
-            return None if _UNPACKED[0] else probe(position_ids, *a, **kw)
-
-        known_unpacked._tuneledger = True
-        mu.find_packed_sequence_indices = known_unpacked
-    _UNPACKED[0] = True
-    try:
-        yield
-    finally:
-        _UNPACKED[0] = False
-
-
-def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
-    """drop_padding_mask: whether training steps drop the padded micro-batch's attention mask, and
-    the ledger's line. Exact with right padding: a real token attends only to earlier positions,
-    all of them real, so the causal mask alone gives every supervised token (and the loss) the
-    same attention. Without a padding mask transformers skips its all-ones check (a host sync), its
-    packed-sample probe is answered without a sync (unpacked_rows), and SDPA runs is_causal, its
-    flash kernel, instead of the masked memory-efficient one. Pad
-    positions then attend to the tokens before them; their outputs are never supervised (label -100)."""
-    if cfg.drop_padding_mask is False:
-        return False, "off"
-    if cfg.drop_padding_mask is None and cfg.use_unsloth:
-        # Unsloth's backend as Unsloth runs it (make bench compares it so); true drops the mask there too.
-        return False, "off (use_unsloth: the micro-batch goes to Unsloth with its mask, as Unsloth pads it)"
-    if cfg.packing:
-        return False, "off (packed rows carry no padding mask)"
-    if getattr(tokenizer, "padding_side", "right") != "right":
-        return False, f"off (padding on the {tokenizer.padding_side}: the mask is needed)"
-    return True, "on (right padding: the causal mask alone, no padding mask, no packed-sample probe)"
-
-
-def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> Any:
-    """Padded micro-batches (DataCollatorForSeq2Seq), or padding-free packing of whole samples.
-
-    Packing (DataCollatorWithFlattening) concatenates the micro-batch into one row with
-    `position_ids` restarting at 0 per sample and no attention mask, so no sample attends to
-    another: varlen kernels (`attention` flash_attention_2 or speed.VARLEN) take the sample bounds
-    from the collator (`cu_seq_lens_q`, `max_length_q`: no device sync to find them); SDPA and
-    flex derive them from position_ids.
-    """
-    if cfg.packing:
-        from transformers import DataCollatorWithFlattening
-
-        from tuneledger.speed import VARLEN
-
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100,
-                                          return_flash_attn_kwargs=attention in ("flash_attention_2", VARLEN))
-    from transformers import DataCollatorForSeq2Seq
-
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
 def loader_workers(requested: int, say: bool = False) -> int:

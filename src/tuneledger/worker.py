@@ -41,8 +41,8 @@ from tuneledger.nodes import check_same_nodes, host_name  # noqa: E402
 from tuneledger.probes import (Clock, EvalCounter, StepTimer, SyncDebug, bench_allreduce, bench_matmul_tflops, replay_order,  # noqa: E402
                                time_warm_compile)
 from tuneledger.progress import LogLine, StepProgress  # noqa: E402
-from tuneledger.trainer import (LedgerTrainer, LogLastStep, PlotLoss, make_collator, padding_mask_lever, time_loss_plot,  # noqa: E402
-                               training_args)
+from tuneledger.rows import make_collator, padding_mask_lever  # noqa: E402
+from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, time_loss_plot, training_args  # noqa: E402
 
 
 def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
