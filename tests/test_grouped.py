@@ -85,10 +85,12 @@ def test_grouped_equals_the_fused_projections(tiny_model, monkeypatch):
 
 
 def test_grouped_with_lora_added_in_place_equals_out_of_place(tiny_model, monkeypatch):
-    """TUNELEDGER_ADDMM=inplace (fused_lora.add_product) in the groups' forward and backward: the
-    same loss and gradients as out of place (eager; the compiled op: tests/test_speed.py)."""
+    """In place (fused_lora.add_product, the default) in the groups' forward and backward: the
+    same loss and gradients as out of place, TUNELEDGER_ADDMM=copy (eager; the compiled op:
+    tests/test_speed.py)."""
     from tuneledger import fused_lora
 
+    monkeypatch.setattr(fused_lora, "ADDMM_INPLACE", False)
     l0, g0 = _grads(_model(tiny_model, True))
     monkeypatch.setattr(fused_lora, "ADDMM_INPLACE", True)
     l1, g1 = _grads(_model(tiny_model, True))

@@ -15,13 +15,15 @@ import torch
 from tuneledger import nf4_kernel
 from tuneledger.compiled import dequant_in_graph
 
-# TUNELEDGER_ADDMM=inplace (an A/B, off until a bench row shows it pays): the LoRA term, and
-# backward's dx, are added into the first GEMM's fresh output in place. Out of place, a compiled
-# layer's aten::addmm first copies that output: a device-to-device copy per projection, 1,792 a
-# preset C step, 36 ms of 1.18 s on an H100 (bench/results/h100-2026-12-06d-call1; Unsloth adds in
-# place). In a compiled graph in place needs an op the compiler cannot turn back into a copy:
-# tuneledger::addmm_, which mutates `out` (inductor's reinplacing keeps it in place).
-ADDMM_INPLACE = os.environ.get("TUNELEDGER_ADDMM") == "inplace"
+# The LoRA term, and backward's dx, are added into the first GEMM's fresh output in place (the
+# default since 2026-12-06; TUNELEDGER_ADDMM=copy, the A/B, adds out of place). Out of place, a
+# compiled layer's aten::addmm first copies that output: a device-to-device copy per projection,
+# 1,792 a preset C step, 36 ms of 1.18 s on an H100 (bench/results/h100-2026-12-06d-call1; Unsloth
+# adds in place). In place: C +3.0%, D +3.6% tokens/s on one H100, the same losses
+# (bench/results/h100-2026-12-06e-call1, -call2). In a compiled graph in place needs an op the
+# compiler cannot turn back into a copy: tuneledger::addmm_, which mutates `out` (inductor's
+# reinplacing keeps it in place).
+ADDMM_INPLACE = os.environ.get("TUNELEDGER_ADDMM", "inplace") != "copy"
 addmm_calls = [0]  # the op's calls in this process (tests: the compiled graph kept it)
 
 
@@ -37,8 +39,8 @@ def _(out, a, b, alpha):
 
 
 def add_product(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """y + alpha (a @ b): y [T, n], a [T, k], b [k, n]. Under TUNELEDGER_ADDMM=inplace y itself is
-    updated and returned (y must be a fresh GEMM output that nothing else holds), else a new tensor."""
+    """y + alpha (a @ b): y [T, n], a [T, k], b [k, n]. y itself is updated and returned (y must be
+    a fresh GEMM output that nothing else holds); under TUNELEDGER_ADDMM=copy, a new tensor."""
     if not ADDMM_INPLACE:
         return torch.addmm(y, a, b, alpha=alpha)
     if torch.compiler.is_compiling():
@@ -192,9 +194,13 @@ def fuse_lora(model: Any, wanted: bool | None) -> str:
     """Route every LoRA projection of a peft model through LoraProjection. `wanted`: True, None
     (where it applies) or False. Applies only where the function is exact: one active adapter,
     no DoRA, no LoRA bias, not merged, a plain or 4-bit bitsandbytes base. Returns the ledger's
-    line; raises ValueError when True cannot apply."""
+    line; raises ValueError when True cannot apply, or for a TUNELEDGER_ADDMM other than inplace or copy."""
     if wanted is False:
         return "off"
+    addmm = os.environ.get("TUNELEDGER_ADDMM", "inplace")
+    if addmm not in ("inplace", "copy"):
+        raise ValueError(f"TUNELEDGER_ADDMM={addmm!r}: use inplace (the default: the LoRA term added into the GEMM's "
+                         "output) or copy (out of place, the A/B)")
     why = fused_lora_blocker(model)
     if why:
         if wanted:
@@ -207,7 +213,8 @@ def fuse_lora(model: Any, wanted: bool | None) -> str:
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     for m in layers:
         m.forward = types.MethodType(_fused_forward, m)
-    return f"on ({len(layers)} projections{'; LoRA added in place: TUNELEDGER_ADDMM=inplace' if ADDMM_INPLACE else ''})"
+    how = "LoRA added in place" if ADDMM_INPLACE else "LoRA added out of place: TUNELEDGER_ADDMM=copy"
+    return f"on ({len(layers)} projections; {how})"
 
 
 def fused_lora_blocker(model: Any) -> str | None:

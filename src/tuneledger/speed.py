@@ -166,7 +166,9 @@ def apply_liger(model: Any, wanted: bool | None, device_type: str, compiled: boo
     importable, the architecture covered) or False. With `compiled` decoder layers only the fused
     linear cross-entropy is applied (it runs outside the layers): inductor fuses the norms, RoPE
     and SwiGLU itself, and tracing Liger's in-place Triton kernels gave wrong gradients on an
-    H200 (the loss stopped falling: bench/results/h200-2026-12-01-levers). Returns the ledger's line."""
+    H200 (the loss stopped falling: bench/results/h200-2026-12-01-levers). The fused linear
+    cross-entropy's backward scales without asking the GPU whether its gradient is 1.0
+    (liger_backward.py: two host syncs a micro-batch less). Returns the ledger's line."""
     if wanted is False:
         return "off"
     why = None
@@ -186,11 +188,15 @@ def apply_liger(model: Any, wanted: bool | None, device_type: str, compiled: boo
             raise ValueError(f"enable_liger_kernel: true, but Liger {why}; leave it unset (on where it applies) or "
                              "set enable_liger_kernel=false")
         return f"off ({why})"
+    from tuneledger import liger_backward
+
+    kept = liger_backward.install()
+    backward = f"; its backward as Liger's: {kept}" if kept else "; its backward without host syncs"
     if compiled:
         _apply_liger_kernel_to_instance(model=model, rope=False, rms_norm=False, swiglu=False)
-        return "on (fused linear cross-entropy; the compiled layers fuse the rest)"
+        return f"on (fused linear cross-entropy{backward}; the compiled layers fuse the rest)"
     _apply_liger_kernel_to_instance(model=model)
-    return "on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)"
+    return f"on (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy{backward})"
 
 
 def levers_line(levers: dict) -> str:
