@@ -88,6 +88,9 @@ def test_a_liger_whose_backward_differs_is_left_alone_and_said(monkeypatch):
         monkeypatch.setattr(flce, "fused_linear_cross_entropy_backward", fn)
         assert why in liger_backward.install()
         assert flce.fused_linear_cross_entropy_backward is fn
+    monkeypatch.setenv("TUNELEDGER_LIGER_BACKWARD", "liger")  # make bench's A/B keeps Liger's own
+    assert liger_backward.install() == "TUNELEDGER_LIGER_BACKWARD=liger"
+    monkeypatch.delenv("TUNELEDGER_LIGER_BACKWARD")
     monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_linear_cross_entropy", None)
     assert liger_backward.install().startswith("liger-kernel does not import")
 

@@ -15,6 +15,7 @@ argument) stays: one sync per micro-batch.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 # Liger's backward as this replaces it (liger-kernel 0.8.5, the lock's): its arguments and the check.
@@ -26,7 +27,10 @@ def install() -> str | None:
     """Put `scale_without_sync` in place of Liger's backward in its module (the autograd function
     calls it by that module's global name). Idempotent. Returns None when it is in place, or why
     Liger's own was left (liger-kernel missing, or a version whose backward is not the one this
-    replaces: its arguments or its check differ)."""
+    replaces: its arguments or its check differ). TUNELEDGER_LIGER_BACKWARD=liger (make bench's
+    `*ligerbwd` rows, the A/B) keeps Liger's own."""
+    if os.environ.get("TUNELEDGER_LIGER_BACKWARD") == "liger":
+        return "TUNELEDGER_LIGER_BACKWARD=liger"
     try:
         import liger_kernel.ops.fused_linear_cross_entropy as flce
     except ImportError as e:
