@@ -102,3 +102,30 @@ def test_callback_profiles_only_its_step(tmp_path):
         assert "no GPU kernels (a CPU run)" in md and "idle" not in md, md
     assert any(n.startswith("aten::copy_ [[64, 64], [64, 64]") for n, _ in c), c
     assert [p.name for p in tmp_path.iterdir()] and len(list(tmp_path.glob("profile-step*.json"))) == 1
+
+
+def test_idle_gaps_are_charged_to_the_launch_that_ended_them():
+    """A pause between kernels (50 µs or more; less is launch latency) is charged to the last
+    launch before the next kernel and the ops it ran in; overlapping kernels (two streams) leave
+    no pause; the table lists the most waited-on first."""
+    def k(start, dur):
+        return {"name": "k", "kind": "kernel", "dur_us": dur, "self_us": 0, "start_us": start}
+
+    def launch(start, origin):
+        return {"name": "cudaLaunchKernel", "kind": "runtime", "dur_us": 3, "self_us": 3, "start_us": start, "origin": origin}
+
+    ev = [k(0, 100), launch(90, "aten::mm < Optimizer.step"), k(400, 100),  # 300 µs waited on the optimizer
+          k(450, 200),                                                    # overlaps (another stream): no pause
+          launch(640, "aten::add_"), k(660, 10),                           # 10 µs after 650: latency, not a pause
+          launch(700, "aten::mm < Optimizer.step"), k(770, 10),            # 100 µs more on the optimizer
+          launch(800, "LigerFusedLinearCrossEntropyFunction"), k(900, 10)]  # 120 µs on Liger
+    g = profile.summarize(ev, wall_s=0.001)["gaps"]
+    assert g["count"] == 3 and abs(g["total_s"] - 520e-6) < 1e-12
+    assert [(o, round(s * 1e6), c) for o, s, c in g["by_origin"]] == [("aten::mm < Optimizer.step", 400, 2),
+                                                                      ("LigerFusedLinearCrossEntropyFunction", 120, 1)]
+    md = profile.markdown(profile.summarize(ev, wall_s=0.001), 5)
+    assert "3 pauses of 50 µs or more between kernels, 0.5 ms in all" in md
+    assert "| aten::mm < Optimizer.step | 0.4 | 2 |" in md
+    # Without start times (older events) there is no gap table.
+    assert profile.idle_gaps([{"name": "k", "kind": "kernel", "dur_us": 5, "self_us": 0}]) == {
+        "count": 0, "total_s": 0.0, "by_origin": []}

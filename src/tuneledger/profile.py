@@ -11,6 +11,7 @@ the step's s/step from the dry-run's own (unprofiled) steps.
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 # The leaf op only: .contiguous() and clone() call copy_, and would count each copy three times.
 COPY_OPS = ("aten::copy_",)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GAP_US = 50.0  # a pause between kernels shorter than this is launch latency, not waiting on the host
 
 
 def category(kernel: str) -> str:
@@ -55,7 +57,8 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
     "origin"), to find where device copies come from; the host syncs likewise by origin, to find
     which op waits on the GPU. Every cudaMemcpy and cudaMemcpyAsync counts (a copy to the
     host waits; the profiler does not say which way a copy went); sync_calls tells the kinds apart.
-    Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy."""
+    Kernel time is a sum over kernels, so on one stream it is the time the GPU was busy.
+    With start times (a kernel's and a launch's optional "start_us") also "gaps": idle_gaps()."""
     cats: dict[str, float] = {}
     launches = syncs = 0
     sync_calls: dict[str, int] = {}
@@ -93,7 +96,35 @@ def summarize(events: list[dict], wall_s: float, top: int = 15) -> dict:
             # Which kernels a category's time is: two engines' tables compare kernel by kernel.
             "top_kernels": sorted(((category(n), n, s, c) for n, (s, c) in kernels.items()), key=lambda t: -t[2])[:top],
             "copies": sorted(copies.items(), key=lambda kv: -kv[1])[:top],
-            "sync_origins": sorted(origins.items(), key=lambda kv: -kv[1])[:top]}
+            "sync_origins": sorted(origins.items(), key=lambda kv: -kv[1])[:top],
+            "gaps": idle_gaps(events, top)}
+
+
+def idle_gaps(events: list[dict], top: int = 15) -> dict:
+    """Where the GPU waited on the host: every pause of GAP_US or more between one kernel's end
+    (the latest end so far, any stream) and the next kernel's start, charged to the launch that
+    ended it (the last launch call that began before that kernel: with the queue empty, the
+    kernel starts a few µs after its launch) and the ops around that launch (its "origin").
+    events: summarize()'s, kernels and launches with "start_us". Returns {"count", "total_s",
+    "by_origin": [(origin, gap s, gaps)]}, the most waited-on first; zeros without start times."""
+    kernels = sorted((e["start_us"], e["start_us"] + e["dur_us"]) for e in events
+                     if e["kind"] == "kernel" and "start_us" in e)
+    launches = sorted((e["start_us"], e.get("origin") or e["name"]) for e in events
+                      if e["kind"] == "runtime" and "start_us" in e and e["name"].startswith(LAUNCH_CALLS))
+    starts = [t for t, _ in launches]
+    by: dict[str, list] = {}
+    count, total, end = 0, 0.0, None
+    for k0, k1 in kernels:
+        if end is not None and k0 - end >= GAP_US:
+            i = bisect.bisect_right(starts, k0) - 1
+            key = launches[i][1] if i >= 0 else "(no launch recorded)"
+            b = by.setdefault(key, [0.0, 0])
+            b[0] += (k0 - end) / 1e6
+            b[1] += 1
+            count, total = count + 1, total + (k0 - end) / 1e6
+        end = k1 if end is None else max(end, k1)
+    return {"count": count, "total_s": total,
+            "by_origin": sorted(((o, s, c) for o, (s, c) in by.items()), key=lambda t: -t[1])[:top]}
 
 
 def markdown(s: dict, step: int) -> str:
@@ -121,6 +152,13 @@ def markdown(s: dict, step: int) -> str:
     if s.get("sync_origins"):
         lines += ["", "| host sync (runtime call < the ops it ran in) | calls |", "| --- | --- |"]
         lines += [f"| {n[:200]} | {c} |" for n, c in s["sync_origins"]]
+    g = s.get("gaps") or {}
+    if g.get("count"):
+        lines += ["", f"GPU waiting on the host: {g['count']:,} pauses of {GAP_US:.0f} µs or more between kernels, "
+                  f"{g['total_s'] * 1e3:.1f} ms in all, by the launch that ended each (the profiler's own host "
+                  "time lengthens them):", "",
+                  "| launch that ended the pause (< the ops it ran in) | ms | pauses |", "| --- | --- | --- |"]
+        lines += [f"| {o[:200]} | {sec * 1e3:.1f} | {c} |" for o, sec, c in g["by_origin"]]
     return "\n".join(lines) + "\n"
 
 
@@ -155,11 +193,16 @@ def events(prof: Any) -> list[dict]:
             # CompiledFxGraph ... ##"), not a kernel: counted, it doubled Unsloth's C kernel time.
             continue
         if "cuda" in kind:
-            out.append({"name": e.name, "kind": "kernel", "dur_us": e.time_range.elapsed_us(), "self_us": 0.0})
+            d = {"name": e.name, "kind": "kernel", "dur_us": e.time_range.elapsed_us(), "self_us": 0.0}
+            if getattr(e.time_range, "start", None) is not None:
+                d["start_us"] = e.time_range.start
+            out.append(d)
         elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
             d = {"name": e.name, "kind": "runtime", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total}
-            if e.name.startswith(SYNC_CALLS):
+            if e.name.startswith(SYNC_CALLS) or e.name.startswith(LAUNCH_CALLS):
                 d["origin"] = origin(e)
+            if e.name.startswith(LAUNCH_CALLS) and getattr(getattr(e, "time_range", None), "start", None) is not None:
+                d["start_us"] = e.time_range.start
             out.append(d)
         else:
             d = {"name": e.name, "kind": "cpu_op", "dur_us": e.cpu_time, "self_us": e.self_cpu_time_total}
