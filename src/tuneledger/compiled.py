@@ -69,10 +69,11 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     import torch._functorch.config as functorch_config
 
     functorch_config.cse = False
+    mode = "reduce-overhead" if cudagraphs_wanted() else None
     for layer in layers:
         if checkpoint:
             checkpoint_inside(layer)
-        layer.compile(dynamic=None)
+        layer.compile(dynamic=None, mode=mode)
     import torch._inductor.config as inductor_config
 
     if cpp_wrapper:  # read when a layer first compiles (its first call), so setting it here is in time
@@ -88,7 +89,28 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
 
         dequant = (", NF4 dequantized in the graph" if dequant_in_graph() else
                    ", our Triton NF4 dequantize op" if nf4_kernel.is_on() else ", bitsandbytes' dequantize ops")
-    return f"on ({len(layers)} decoder layers, regional{wrapper}{dequant}{inside})"
+    graphs = f", CUDA graphs (TUNELEDGER_CUDAGRAPHS=1, rows padded to a multiple of {CUDAGRAPH_BUCKET})" if mode else ""
+    return f"on ({len(layers)} decoder layers, regional{wrapper}{dequant}{inside}{graphs})"
+
+
+# A/B, not measured yet (make bench's *cgraph rows): the compiled layers replayed as CUDA graphs
+# (torch.compile's reduce-overhead mode), which launch a layer's kernels in one call: the lever
+# issue 19 names for host-bound presets (C's GPU waits about 6% of a step more than Unsloth's,
+# with the same kernel time: bench/results/h100-2026-12-06e-call1). A graph is recorded per row
+# length, so padded rows are padded up to a multiple of CUDAGRAPH_BUCKET tokens (their labels
+# -100: the loss is unchanged, the tokens/s count real tokens only).
+CUDAGRAPH_BUCKET = 64
+
+
+def cudagraphs_wanted() -> bool:
+    """Whether compiled layers run as CUDA graphs: TUNELEDGER_CUDAGRAPHS=1 (the A/B)."""
+    return os.environ.get("TUNELEDGER_CUDAGRAPHS", "") == "1"
+
+
+def pad_multiple() -> int | None:
+    """What the padded collator pads each micro-batch's rows up to a multiple of: CUDAGRAPH_BUCKET
+    under CUDA graphs (one recorded graph per bucket, not per length), else None (the longest row)."""
+    return CUDAGRAPH_BUCKET if cudagraphs_wanted() else None
 
 
 def dequant_in_graph() -> bool:

@@ -88,4 +88,6 @@ def make_collator(cfg: JobConfig, tokenizer: Any, attention: str = "sdpa") -> An
                                           return_flash_attn_kwargs=attention in ("flash_attention_2", VARLEN))
     from transformers import DataCollatorForSeq2Seq
 
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    from tuneledger.compiled import pad_multiple
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, pad_to_multiple_of=pad_multiple())

@@ -21,6 +21,7 @@ quiet.install()  # before transformers and peft import bitsandbytes, which logs 
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from tuneledger.checkpoints import MANIFEST  # noqa: E402
+from tuneledger.compiled import cudagraphs_wanted  # noqa: E402
 from tuneledger.config import JobConfig  # noqa: E402
 from tuneledger.files import disk_full  # noqa: E402
 from tuneledger.guards import DiskFullError, SealCheckpoint, disk_full_message  # noqa: E402
@@ -40,6 +41,7 @@ class LedgerTrainer(Trainer):
         super().__init__(*a, **kw)
         self.n_params = n_params
         self.drop_padding_mask = drop_padding_mask  # padding_mask_lever's decision
+        self.cudagraphs = cudagraphs_wanted()
         self.replay = False  # dry-run: train_dataset is already in the real run's order (replay_order)
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
         self.step_tokens: list[torch.Tensor] = []  # running count at each step end (no sync)
@@ -57,6 +59,8 @@ class LedgerTrainer(Trainer):
         return super()._get_train_sampler(train_dataset)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.cudagraphs:  # a new micro-batch: the graphs' outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         mask = inputs.get("attention_mask")
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         if self.drop_padding_mask and mask is not None:

@@ -1,0 +1,77 @@
+"""TUNELEDGER_CUDAGRAPHS=1 (make bench's *cgraph rows, an A/B): compiled layers in torch.compile's
+reduce-overhead mode (CUDA graphs), padded rows bucketed to a multiple of 64 tokens so that one
+graph serves many lengths, and a cudagraph step marked at each micro-batch. The graphs themselves
+run only on a GPU (the device call); here: the settings reach torch.compile, the bucketed rows
+give the same loss as rows padded to the longest, and the trainer marks each micro-batch."""
+
+from __future__ import annotations
+
+import torch
+
+from tuneledger import compiled
+from tuneledger.config_load import load_config
+from tuneledger.rows import make_collator
+
+
+def _feats(lengths=(9, 23, 4)):
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for n in lengths:
+        ids = torch.randint(10, 1000, (n,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})
+    return out
+
+
+def _cfg():
+    return load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"]})
+
+
+def test_compiled_layers_are_asked_for_cuda_graphs_and_the_line_says_so(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: asked.append(kw) or fn)  # Module.compile calls it
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    line = compiled.compile_layers(model, True, "cuda", fused=True, quantized=False)
+    assert [kw.get("mode") for kw in asked] == [None] * 3 and "CUDA graphs" not in line
+    monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", "1")
+    asked.clear()
+    line = compiled.compile_layers(model, True, "cuda", fused=True, quantized=False)
+    assert [kw.get("mode") for kw in asked] == ["reduce-overhead"] * 3
+    assert "CUDA graphs (TUNELEDGER_CUDAGRAPHS=1, rows padded to a multiple of 64)" in line
+
+
+def test_bucketed_rows_give_the_loss_of_rows_padded_to_the_longest(tiny_model, qwen_tokenizer, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    longest = make_collator(_cfg(), qwen_tokenizer)(_feats())
+    monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", "1")
+    bucketed = make_collator(_cfg(), qwen_tokenizer)(_feats())
+    assert longest["input_ids"].shape[1] == 23 and bucketed["input_ids"].shape[1] == 64
+    assert (bucketed["labels"][:, 23:] == -100).all() and bucketed["attention_mask"].sum() == longest["attention_mask"].sum()
+    with torch.no_grad():
+        a = m(**longest).loss
+        b = m(**bucketed).loss
+        c = m(input_ids=bucketed["input_ids"], labels=bucketed["labels"]).loss  # drop_padding_mask's way
+    assert torch.allclose(a, b, rtol=1e-5) and torch.allclose(a, c, rtol=1e-5), (a, b, c)
+
+
+def test_each_micro_batch_marks_a_cudagraph_step(tiny_model, qwen_tokenizer, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from tuneledger.trainer import LedgerTrainer
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=3)
+    b = make_collator(_cfg(), qwen_tokenizer)(_feats())
+    for env, want in ((None, 0), ("1", 2)):
+        if env:
+            monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", env)
+        t = LedgerTrainer(model=m, args=args, n_params=1, drop_padding_mask=True)
+        t.current_gradient_accumulation_steps = 1
+        marks.clear()
+        for _ in range(2):
+            t.training_step(m, dict(b))
+        assert len(marks) == want
