@@ -6,11 +6,11 @@ Compiling happens in the first steps, which the dry-run counts as start-up (prob
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from tuneledger import env_levers
 from tuneledger.config import COMPILE_NEEDS_FUSED
 
 # ------------------------------------------------------------------------------------- compile
@@ -81,7 +81,7 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # or TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
     inside = ""
     if checkpoint:
-        inside = ", checkpointing inside" + (", partitioner's choice" if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"
+        inside = ", checkpointing inside" + (", partitioner's choice" if env_levers.value("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"
                                              else ", every op recomputed")
     dequant = ""
     if quantized:
@@ -104,7 +104,7 @@ CUDAGRAPH_BUCKET = 64
 
 def cudagraphs_wanted() -> bool:
     """Whether compiled layers run as CUDA graphs: TUNELEDGER_CUDAGRAPHS=1 (the A/B)."""
-    return os.environ.get("TUNELEDGER_CUDAGRAPHS", "") == "1"
+    return env_levers.value("TUNELEDGER_CUDAGRAPHS") == "1"
 
 
 def pad_multiple() -> int | None:
@@ -118,13 +118,13 @@ def dequant_in_graph() -> bool:
     instead of bitsandbytes' ops: only with TUNELEDGER_DEQUANT=graph (make bench's *graphdq rows).
     Measured in one H200 call, preset C: 7,952 tokens/s in the graph against 8,177 with bitsandbytes'
     ops (mean step; bench/results/h200-2026-12-04): no gain, so not the default."""
-    return os.environ.get("TUNELEDGER_DEQUANT", "") == "graph"
+    return env_levers.value("TUNELEDGER_DEQUANT") == "graph"
 
 
 def checkpoint_inside_wanted() -> bool:
     """Whether compiled layers take their checkpoint inside (checkpoint_inside): yes, unless
     TUNELEDGER_CHECKPOINT_OUTSIDE=1 (make bench's *gcout rows: transformers' checkpoint around them)."""
-    return os.environ.get("TUNELEDGER_CHECKPOINT_OUTSIDE", "") != "1"
+    return env_levers.value("TUNELEDGER_CHECKPOINT_OUTSIDE") != "1"
 
 
 def checkpoint_inside_planned(cfg: Any, device_type: str) -> bool:
@@ -148,7 +148,7 @@ def checkpoint_inside(layer: Any) -> None:
     forward = layer.forward
     layer.gradient_checkpointing = False
     extra = {}
-    if os.environ.get("TUNELEDGER_CHECKPOINT_POLICY") != "prefer":
+    if env_levers.value("TUNELEDGER_CHECKPOINT_POLICY") != "prefer":
         # Every op of the layer MUST_RECOMPUTE (selective checkpointing's policy). The default tag,
         # PREFER_RECOMPUTE, leaves the CUDA partitioner free to save projection outputs: preset B on
         # an H200 then held 13.5 GiB (5,314 tokens/s) against 8.6 GiB (5,142) with this policy and

@@ -25,7 +25,7 @@ from typing import Any
 
 from tuneledger import unsloth_backend
 from tuneledger import eta as eta_
-from tuneledger import profile_step
+from tuneledger import env_levers, profile_step
 from tuneledger import ledger
 from tuneledger.checkpoints import time_publish
 from tuneledger.config import DDP_PRESETS, ConfigError, JobConfig, describe, resolve
@@ -268,7 +268,8 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     startup = {"python_start_s": eta_.process_age_s()}
     locate_model(base.model_name_or_path)  # at once, before torch loads
     check_data(base)  # and a dataset that is not there
-    profiled = profile_step.requested()  # a bad value: one sentence here, not a traceback per rank
+    env_levers.check()  # a bad A/B variable or profile step: one sentence here, not a traceback per rank
+    profiled = profile_step.requested()
     for note in profile_step.notes(profiled, base.dryrun_steps, base.dryrun_warmup_steps):
         print(note, flush=True)
     cpu, nproc = processes(args.cpu, args.nproc)

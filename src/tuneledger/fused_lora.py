@@ -7,12 +7,11 @@ lora_backward) and the 4-bit dequantization (_dequantize) are shared with groupe
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from tuneledger import nf4_kernel
+from tuneledger import env_levers, nf4_kernel
 from tuneledger.compiled import dequant_in_graph
 
 # The LoRA term, and backward's dx, are added into the first GEMM's fresh output in place (the
@@ -23,7 +22,7 @@ from tuneledger.compiled import dequant_in_graph
 # (bench/results/h100-2026-12-06e-call1, -call2). In a compiled graph in place needs an op the
 # compiler cannot turn back into a copy: tuneledger::addmm_, which mutates `out` (inductor's
 # reinplacing keeps it in place).
-ADDMM_INPLACE = os.environ.get("TUNELEDGER_ADDMM", "inplace") != "copy"
+ADDMM_INPLACE = env_levers.value("TUNELEDGER_ADDMM") != "copy"
 addmm_calls = [0]  # the op's calls in this process (tests: the compiled graph kept it)
 
 
@@ -197,8 +196,8 @@ def fuse_lora(model: Any, wanted: bool | None) -> str:
     line; raises ValueError when True cannot apply, or for a TUNELEDGER_ADDMM other than inplace or copy."""
     if wanted is False:
         return "off"
-    addmm = os.environ.get("TUNELEDGER_ADDMM", "inplace")
-    if addmm not in ("inplace", "copy"):
+    addmm = env_levers.value("TUNELEDGER_ADDMM")
+    if addmm not in ("", "inplace", "copy"):  # the launcher refuses it first (env_levers.check); a rank started otherwise
         raise ValueError(f"TUNELEDGER_ADDMM={addmm!r}: use inplace (the default: the LoRA term added into the GEMM's "
                          "output) or copy (out of place, the A/B)")
     why = fused_lora_blocker(model)

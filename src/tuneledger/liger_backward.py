@@ -15,8 +15,9 @@ argument) stays: one sync per micro-batch.
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any
+
+from tuneledger import env_levers
 
 # Liger's backward as this replaces it (liger-kernel 0.8.5, the lock's): its arguments and the check.
 _EXPECTED_ARGS = ["grad_output", "grad_input", "grad_weight", "grad_bias"]
@@ -29,7 +30,7 @@ def install() -> str | None:
     Liger's own was left (liger-kernel missing, or a version whose backward is not the one this
     replaces: its arguments or its check differ). TUNELEDGER_LIGER_BACKWARD=liger (make bench's
     `*ligerbwd` rows, the A/B) keeps Liger's own."""
-    if os.environ.get("TUNELEDGER_LIGER_BACKWARD") == "liger":
+    if env_levers.value("TUNELEDGER_LIGER_BACKWARD") == "liger":
         return "TUNELEDGER_LIGER_BACKWARD=liger"
     try:
         import liger_kernel.ops.fused_linear_cross_entropy as flce

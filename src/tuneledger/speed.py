@@ -20,12 +20,12 @@ each one returns (`levers` in the ledger), so that every number says how it was 
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 from typing import Any
 
 import torch
 
+from tuneledger import env_levers
 from tuneledger.compiled import checkpoint_inside_planned
 
 VARLEN = "tuneledger_varlen"  # our attention function's name in transformers' AttentionInterface
@@ -89,7 +89,7 @@ def pick_attention(requested: str, packing: bool, device_type: str) -> tuple[str
         if not _has_flex() or not cuda:
             raise ValueError("flash_attn=flex needs torch >= 2.5 with flex_attention and a CUDA GPU; set flash_attn=auto")
         return "flex_attention", "flex attention with a document mask (compiles on first use: start-up, not steps)"
-    cudnn = os.environ.get("TUNELEDGER_CUDNN_SDPA") == "1"
+    cudnn = env_levers.value("TUNELEDGER_CUDNN_SDPA") == "1"
     if cuda and hasattr(torch.backends.cuda, "enable_cudnn_sdp") and not cudnn:
         # torch >= 2.9 prefers cuDNN's SDPA on Hopper; it builds an execution plan per new shape,
         # ~3 ms of host per call with padded rows (a profiled C step: 1.3 of 4.0 s in

@@ -20,7 +20,7 @@ from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
-from tuneledger import profile_step, unsloth_backend
+from tuneledger import env_levers, profile_step, unsloth_backend
 from tuneledger import eta as eta_
 from tuneledger.checkpoints import FINAL, MANIFEST, REQUIRED, problem, publish_final, scan, set_aside, set_aside_ones
 from tuneledger.config import JobConfig, describe, resolve
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             nodes = from_args(args)
             locate_model(base.model_name_or_path)  # at once, before torch loads
             check_data(base)  # and a dataset that is not there
-            profile_step.requested()  # a bad value: one sentence here, not a traceback per rank
+            env_levers.check()  # a bad A/B variable or profile step: one sentence here, not a traceback per rank
             cpu, nproc = processes(args.cpu, args.nproc)
             world = nodes.world_size(nproc)  # the global batch is fixed over every node's ranks
             cfg = resolve(base, world)

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tuneledger import ledger
+from tuneledger import env_levers, ledger
 from tuneledger import tune_space as ts
 from tuneledger.config import ConfigError, JobConfig, resolve
 from tuneledger.config_load import from_cli, parse_overrides
@@ -223,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     budget_s = ts.parse_budget(args.budget)  # the options' own checks first: they need no config
     if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
         raise ConfigError(f"--memory-gib {args.memory_gib:g}: must be a finite number above 0 (GiB per GPU)")
+    env_levers.check()  # a bad A/B variable or profile step: one sentence, not the same failure in every candidate
     base = from_cli(args.items)
     try:  # one tune per run folder at a time: two would share cand-N and the ledger
         with RunLock(base.out_dir / "tune", "tune.lock",
