@@ -49,3 +49,17 @@ def test_every_launcher_refuses_a_bad_value_before_any_rank(tmp_path, verb):
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "TUNELEDGER_ADDMM='bogus': use inplace or copy" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_container_passes_every_variable_through():
+    """`make dryrun` in the image runs through docker compose, which passes only the variables its
+    environment lists: each A/B variable and the profile step must be there (a trial found
+    TUNELEDGER_ADDMM=copy silently ignored in the container)."""
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    env = compose["x-environment"]
+    names = {e.split("=", 1)[0] for e in env}
+    for name in [*env_levers.CHOICES, "TUNELEDGER_PROFILE_STEP"]:
+        assert name in names, f"{name} is not in docker-compose.yml's x-environment"
+        assert name in env, f"{name} should pass through as a bare name (only when set in the shell), not a default"

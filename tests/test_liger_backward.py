@@ -71,8 +71,9 @@ def test_same_gradients_as_liger_bit_for_bit_and_no_equality_check():
 
 
 def test_a_liger_whose_backward_differs_is_left_alone_and_said(monkeypatch):
-    """Another liger-kernel's backward (other arguments, or no equality check) is not replaced: the
-    lever line says why, and Liger's own runs."""
+    """Another liger-kernel's backward (other arguments, no equality check, or the same check and
+    arguments doing more than scaling) is not replaced, nor one missing what the replacement calls:
+    the lever line says why, and Liger's own runs."""
     pytest.importorskip("liger_kernel")
     import liger_kernel.ops.fused_linear_cross_entropy as flce
 
@@ -84,10 +85,21 @@ def test_a_liger_whose_backward_differs_is_left_alone_and_said(monkeypatch):
     def no_check(grad_output, grad_input, grad_weight, grad_bias):
         return grad_input, grad_weight, grad_bias
 
-    for fn, why in ((other_args, "its backward takes ['grad_output', 'grad_input']"), (no_check, "no `torch.equal")):
+    def check_and_clamp(grad_output, grad_input, grad_weight, grad_bias):
+        if not torch.equal(grad_output, torch.tensor(1.0, device=grad_output.device)):  # noqa: F821
+            grad_input = grad_input.clamp(-1, 1)
+        return grad_input, grad_weight, grad_bias
+
+    real = flce.fused_linear_cross_entropy_backward
+    assert not getattr(real, "_tuneledger", False)  # this process's Liger: the known one
+    for fn in (other_args, no_check, check_and_clamp):
         monkeypatch.setattr(flce, "fused_linear_cross_entropy_backward", fn)
-        assert why in liger_backward.install()
+        assert liger_backward.install() == "its backward is not liger-kernel 0.8.5's, the one this replaces (its source differs)"
         assert flce.fused_linear_cross_entropy_backward is fn
+    monkeypatch.setattr(flce, "fused_linear_cross_entropy_backward", real)
+    monkeypatch.delattr(flce, "MAX_FUSED_SIZE")
+    assert liger_backward.install() == "this liger-kernel has no MAX_FUSED_SIZE"
+    assert flce.fused_linear_cross_entropy_backward is real
     monkeypatch.setenv("TUNELEDGER_LIGER_BACKWARD", "liger")  # make bench's A/B keeps Liger's own
     assert liger_backward.install() == "TUNELEDGER_LIGER_BACKWARD=liger"
     monkeypatch.delenv("TUNELEDGER_LIGER_BACKWARD")

@@ -173,3 +173,10 @@ def test_packed_rows_get_the_probe_s_answer_without_its_check(tiny_model, monkey
     with pytest.raises(ValueError, match="'padding'"):
         with known_rows("padding"):
             pass
+    with known_rows("padded"):  # nested: the outer kind holds again after the inner block
+        with known_rows("packed"):
+            assert mu.find_packed_sequence_indices(rows["packed"]) is not None
+        assert mu.find_packed_sequence_indices(rows["packed"]) is None
+    n = len(calls)
+    mu.find_packed_sequence_indices(rows["packed"])
+    assert len(calls) == n + 1  # outside every block: transformers' own probe again

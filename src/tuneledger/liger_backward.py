@@ -14,21 +14,22 @@ argument) stays: one sync per micro-batch.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import Any
 
 from tuneledger import env_levers
 
-# Liger's backward as this replaces it (liger-kernel 0.8.5, the lock's): its arguments and the check.
-_EXPECTED_ARGS = ["grad_output", "grad_input", "grad_weight", "grad_bias"]
-_EXPECTED_CHECK = "torch.equal(grad_output, torch.tensor(1.0, device=grad_output.device))"
+# The sha256 of the source of the backward this replaces, liger-kernel 0.8.5's (the lock's, the
+# image's and the device wheel's): any other is left alone, since it may do more than scale.
+KNOWN_SOURCE_SHA256 = "6aace1b3231eb98e36e5e894ad6b3ffc8bc5450d2e558869b688663c8cb1fc1e"
 
 
 def install() -> str | None:
     """Put `scale_without_sync` in place of Liger's backward in its module (the autograd function
     calls it by that module's global name). Idempotent. Returns None when it is in place, or why
-    Liger's own was left (liger-kernel missing, or a version whose backward is not the one this
-    replaces: its arguments or its check differ). TUNELEDGER_LIGER_BACKWARD=liger (make bench's
+    Liger's own was left (liger-kernel missing, or a version whose backward's source is not the one
+    this replaces, or that lacks what the replacement calls). TUNELEDGER_LIGER_BACKWARD=liger (make bench's
     `*ligerbwd` rows, the A/B) keeps Liger's own."""
     if env_levers.value("TUNELEDGER_LIGER_BACKWARD") == "liger":
         return "TUNELEDGER_LIGER_BACKWARD=liger"
@@ -39,16 +40,16 @@ def install() -> str | None:
     current = getattr(flce, "fused_linear_cross_entropy_backward", None)
     if getattr(current, "_tuneledger", False):
         return None
-    if current is None or not hasattr(flce, "element_mul_kernel"):
-        return "this liger-kernel has no fused_linear_cross_entropy_backward or element_mul_kernel"
-    if list(inspect.signature(current).parameters) != _EXPECTED_ARGS:
-        return f"its backward takes {list(inspect.signature(current).parameters)}, not {_EXPECTED_ARGS}"
+    missing = [n for n in ("fused_linear_cross_entropy_backward", "element_mul_kernel", "MAX_FUSED_SIZE", "is_hip")
+               if not hasattr(flce, n)]
+    if missing:
+        return f"this liger-kernel has no {', '.join(missing)}"
     try:
         source = inspect.getsource(current)
     except (OSError, TypeError):
         return "its backward's source cannot be read to check it"
-    if _EXPECTED_CHECK not in source:
-        return "its backward has no `torch.equal(grad_output, 1.0)` check to leave out"
+    if hashlib.sha256(source.encode()).hexdigest() != KNOWN_SOURCE_SHA256:
+        return "its backward is not liger-kernel 0.8.5's, the one this replaces (its source differs)"
     scale_without_sync._liger_original = current
     flce.fused_linear_cross_entropy_backward = scale_without_sync
     return None

@@ -43,11 +43,11 @@ def known_rows(kind: str):
 
         known_layout._tuneledger = True
         mu.find_packed_sequence_indices = known_layout
-    _ROWS[0] = kind
+    outer, _ROWS[0] = _ROWS[0], kind
     try:
         yield
     finally:
-        _ROWS[0] = None
+        _ROWS[0] = outer  # a nested block gives the outer one its kind back
 
 
 def padding_mask_lever(cfg: JobConfig, tokenizer: Any) -> tuple[bool, str]:
