@@ -168,9 +168,14 @@ def test_sigterm_keeps_the_presets_measured_and_never_replaces_a_ledger_with_not
     assert all(rows[p].get("skipped") == "terminated (SIGTERM)" for p in "BCD" if "s_per_step" not in rows[p])
     assert "terminated (SIGTERM): writing the ledger of the presets measured so far" in out and "Traceback" not in out
     before = (tmp_path / "dry" / "dryrun.json").read_bytes()
+    log_before = (tmp_path / "dry" / "dryrun.log").read_text()
     rc, out = _sigterm_when(args, tmp_path / "out2.log", "=== [1/4]")
     assert rc == 143 and "no preset finished" in out and "is left as it was" in out, out[-3000:]
     assert (tmp_path / "dry" / "dryrun.json").read_bytes() == before
+    # The kept ledger's log is back under the name it had; this run's is beside it, and said.
+    assert (tmp_path / "dry" / "dryrun.log").read_text() == log_before and "dry-run preset A" in log_before
+    assert f"this run's log is {tmp_path / 'dry' / 'dryrun.failed.log'}" in out
+    assert (tmp_path / "dry" / "dryrun.failed.log").exists() and not (tmp_path / "dry" / "dryrun.log.1").exists()
 
 
 def test_ctrl_c_keeps_the_presets_measured_and_exits_130(tmp_path, tiny_model):
@@ -200,9 +205,12 @@ def test_a_dry_run_whose_every_preset_fails_leaves_the_earlier_ledger(tmp_path, 
     assert "Profiled with TUNELEDGER_PROFILE_STEP among the measured steps: A (step 2)" in (tmp_path / "dry" / "dryrun.md").read_text()
     assert list((tmp_path / "dry").rglob("profile-step2.md"))
     before = (tmp_path / "dry" / "dryrun.json").read_bytes()
+    log_before = (tmp_path / "dry" / "dryrun.log").read_bytes()
     crashed = tl("dryrun", *args, env={"TUNELEDGER_CRASH_AFTER_STEP": "1"})
     assert crashed.returncode == 1, crashed.stdout[-3000:] + crashed.stderr[-3000:]
     assert (tmp_path / "dry" / "dryrun.json").read_bytes() == before
+    assert (tmp_path / "dry" / "dryrun.log").read_bytes() == log_before  # the kept ledger's log, under its name
+    assert "this run's log is" in crashed.stdout and (tmp_path / "dry" / "dryrun.failed.log").exists()
     failed = json.loads((tmp_path / "dry" / "dryrun.failed.json").read_text())["presets"]
     assert [r["preset"] for r in failed] == ["A"] and "s_per_step" not in failed[0], failed
     assert "is left as it was, this run's rows are in" in crashed.stdout

@@ -114,3 +114,18 @@ def test_nproc_beyond_the_visible_gpus_is_refused_naming_both(workdir, monkeypat
         assert cli.main([verb, "job.yaml", "model_name_or_path=models", "--nproc", "8"]) == 2
         assert "NPROC=8 processes asked for, but 2 GPUs are visible" in capsys.readouterr().err
     assert not (workdir / "runs").exists()
+
+
+def test_a_synthetic_model_is_known_by_its_config_alone(tiny_model, tmp_path):
+    """The dry-run's ledger marks SYNTHETIC weights from a preset's row, and, when no preset finished
+    (stopped early), from the model's config.json (found by a trial: such a ledger said nothing)."""
+    from tuneledger.model_location import synthetic_model
+
+    assert synthetic_model(str(tiny_model)) is True
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text('{"model_type": "qwen2"}')
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert synthetic_model(str(plain)) is synthetic_model(str(broken)) is synthetic_model("Qwen/Qwen2.5-7B-Instruct") is False

@@ -37,6 +37,8 @@ from tuneledger.machine_facts import topology, versions
 from tuneledger.launch import BeforeRanks, StoppedBeforeStart, Terminated, processes, run_workers, sigterm_raises
 from tuneledger.ledger import CAP_24GB_GIB
 from tuneledger.model import PreflightError, locate_model
+from tuneledger.model_location import synthetic_model
+from tuneledger.dryrun_keep import earlier_presets, keep_earlier_log, put_back, put_back_earlier
 from tuneledger.preflight_checks import check_data
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
@@ -93,7 +95,7 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
         rc = run_workers(job, job_path, nproc, log, nodes, rdzv_id=f"{cfg.run_name}-dryrun-{name}", outcome=outcome)
     except BaseException:  # Ctrl-C or SIGTERM mid-preset: the earlier result goes back where it was
         if nodes.first and earlier.exists():
-            _put_back(earlier, run_dir, failed)
+            put_back(earlier, run_dir, failed)
         raise
     t_exit = time.time()
     result = json.loads((run_dir / "result.json").read_text()) if rc == 0 and (run_dir / "result.json").exists() else None
@@ -104,46 +106,12 @@ def run_one(cfg: JobConfig, prep_path: Path, nproc: int, cpu: bool, out_root: Pa
         shutil.rmtree(ckpt, ignore_errors=True)
     oom = any(run_dir.glob("oom-rank*.json"))
     if nodes.first and result is None and earlier.exists():
-        _put_back(earlier, run_dir, failed)
+        put_back(earlier, run_dir, failed)
     elif nodes.first and result is not None:
         shutil.rmtree(earlier, ignore_errors=True)
         shutil.rmtree(failed, ignore_errors=True)  # an older failure, now measured
     full = next((c for c in outcome.get("causes") or [] if says_disk_full(c)), None)
     return rc, result, oom, full
-
-
-def earlier_presets(path: Path) -> set[str]:
-    """The presets an existing dry-run ledger measured (none if it is absent or unreadable)."""
-    try:
-        rows = json.loads(path.read_text()).get("presets") or []
-        return {r["preset"] for r in rows if isinstance(r, dict) and "s_per_step" in r}
-    except (OSError, ValueError, AttributeError, TypeError, KeyError):
-        return set()
-
-
-def put_back_earlier(presets_dir: Path) -> list[str]:
-    """Every preset folder a dry-run killed (-9) mid-preset left set aside (`<preset>.earlier`, its
-    own folder without a result) back in place, whichever presets this run measures. Returns their
-    names."""
-    back = []
-    for earlier in sorted(presets_dir.glob("*.earlier")) if presets_dir.is_dir() else []:
-        name = earlier.name.removesuffix(".earlier")
-        run_dir = earlier.with_name(name)
-        if (run_dir / "result.json").exists():
-            shutil.rmtree(earlier, ignore_errors=True)  # measured since: the set-aside one is older
-        else:
-            _put_back(earlier, run_dir, run_dir.with_name(f"{name}.failed"))
-            back.append(name)
-    return back
-
-
-def _put_back(earlier: Path, run_dir: Path, failed: Path) -> None:
-    """The preset's earlier folder back at `run_dir`; what a failed or stopped run left there goes
-    to `failed` (replacing an older one). Renames only: a full disk allows them."""
-    shutil.rmtree(failed, ignore_errors=True)
-    if run_dir.exists():
-        run_dir.rename(failed)
-    earlier.rename(run_dir)
 
 
 def plan(items: list[str], names: list[str], world: int, device_type: str = "cuda") -> list[tuple[str, JobConfig | ConfigError]]:
@@ -264,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
             return 128 + stop.signum
 
 
+
 def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: BeforeRanks) -> int:
     startup = {"python_start_s": eta_.process_age_s()}
     locate_model(base.model_name_or_path)  # at once, before torch loads
@@ -305,8 +274,9 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     log = out_root / f"dryrun{nodes.suffix()}.log"
     if nodes.first:
         put_back_earlier(out_root / "dryrun")
-    if log.exists():  # the earlier dry-run's log stays readable beside this one's (a rename needs no room)
-        log.rename(log.with_name(log.name + ".1"))
+    earlier_log = log.with_name(log.name + ".1") if log.exists() else None
+    if earlier_log:  # the earlier dry-run's log stays readable beside this one's (a rename needs no room)
+        log.rename(earlier_log)
     log.touch()
     topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
     # NVML from this (launcher) process: it holds no CUDA context, sees every GPU, and its rows go
@@ -345,16 +315,19 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     if stopped:
         rows += [{"preset": n, "skipped": stopped} for n in names if n not in {r["preset"] for r in rows}]
         if not done and (out_root / "dryrun.json").exists():  # an earlier, whole ledger is worth more than none
-            print(f"\n{stopped}: no preset finished; {out_root / 'dryrun.json'} is left as it was", flush=True)
+            print(f"\n{stopped}: no preset finished; {out_root / 'dryrun.json'} is left as it was"
+                  f"{keep_earlier_log(log, earlier_log)}", flush=True)
             return rc
-        print(f"\n{stopped}: writing the ledger of the presets measured so far", flush=True)
+        print(f"\n{stopped}: " + ("writing the ledger of the presets measured so far" if done else
+                                  "no preset finished; writing a ledger that says so (there is no earlier one to keep)"), flush=True)
     elif (not done or full) and (out_root / "dryrun.json").exists() and nodes.first:
         # Every preset failed, or the disk filled (each said why above): the earlier, whole ledger
         # stays; this run's rows go beside it, so a fix can be checked against them.
         failed = out_root / "dryrun.failed.json"
         write_text_atomic(failed, json.dumps({"presets": rows}, indent=1, ensure_ascii=False, default=str))
         what = f"the disk filled during preset {full}" if full else "no preset was measured"
-        print(f"\n{what}; {out_root / 'dryrun.json'} is left as it was, this run's rows are in {failed}", flush=True)
+        print(f"\n{what}; {out_root / 'dryrun.json'} is left as it was, this run's rows are in {failed}"
+              f"{keep_earlier_log(log, earlier_log)}", flush=True)
         return rc
     if not nodes.first:
         print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
@@ -365,7 +338,8 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     led = {
         "run_name": base.run_name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "model": base.model_name_or_path,
-        "synthetic": bool(first and first["model"]["synthetic"]),
+        # No preset row (stopped before any finished): the model's own config says it (synth.py's marker).
+        "synthetic": bool(first["model"]["synthetic"]) if first else synthetic_model(base.model_name_or_path),
         "world_size": world, "backend": "gloo" if cpu else "nccl",
         "gpu": first["ranks"][0]["gpu_name"] if first else ("cpu" if cpu else "?"),
         "topology": topo, "versions": versions(cpu), "dataset": base.dataset, "data_hash": stats["cache_key"],

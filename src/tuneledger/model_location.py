@@ -7,6 +7,7 @@ tokenizer loading (tokenizer_load.py), which import it.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -88,3 +89,11 @@ def locate_model(name: str) -> Path | None:
                              f"MODEL={name}` downloads it into models/{local.name} where the hub, or a mirror set in "
                              f"HF_ENDPOINT, is reachable; then use MODEL=models/{local.name}.")
     return None
+
+def synthetic_model(name: str) -> bool:
+    """Whether model `name` (a local folder) is one of synth.py's random-weight models: its
+    config.json carries the tuneledger_synthetic marker. False for a hub id or an unreadable config."""
+    try:
+        return "tuneledger_synthetic" in json.loads((Path(name).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
