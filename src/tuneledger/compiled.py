@@ -78,7 +78,9 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
 
     if cpp_wrapper:  # read when a layer first compiles (its first call), so setting it here is in time
         inductor_config.cpp_wrapper = True
-    wrapper = ", C++ wrapper" if inductor_config.cpp_wrapper else ""  # or TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
+    wrapper = ""
+    if inductor_config.cpp_wrapper:  # fused_lora.add_product: its in-place op cannot be called from the generated C++
+        wrapper = ", C++ wrapper" + ("" if env_levers.value("TUNELEDGER_ADDMM") == "copy" else " (the LoRA term added out of place in it)")  # or TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
     inside = ""
     if checkpoint:
         inside = ", checkpointing inside" + (", partitioner's choice" if env_levers.value("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"

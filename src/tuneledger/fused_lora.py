@@ -39,10 +39,15 @@ def _(out, a, b, alpha):
 
 def add_product(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """y + alpha (a @ b): y [T, n], a [T, k], b [k, n]. y itself is updated and returned (y must be
-    a fresh GEMM output that nothing else holds); under TUNELEDGER_ADDMM=copy, a new tensor."""
+    a fresh GEMM output that nothing else holds); under TUNELEDGER_ADDMM=copy, and in layers
+    compiled with inductor's C++ wrapper (compile_cpp_wrapper), a new tensor."""
     if not ADDMM_INPLACE:
         return torch.addmm(y, a, b, alpha=alpha)
     if torch.compiler.is_compiling():
+        import torch._inductor.config as inductor_config
+
+        if inductor_config.cpp_wrapper:  # its generated C++ cannot call an op that returns nothing (torch 2.5.1's g++ error)
+            return torch.addmm(y, a, b, alpha=alpha)
         torch.ops.tuneledger.addmm_(y, a, b, alpha)
         return y
     return y.addmm_(a, b, alpha=alpha)
