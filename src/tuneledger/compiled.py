@@ -78,9 +78,10 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
 
     if cpp_wrapper:  # read when a layer first compiles (its first call), so setting it here is in time
         inductor_config.cpp_wrapper = True
-    wrapper = ""
-    if inductor_config.cpp_wrapper:  # fused_lora.add_product: its in-place op cannot be called from the generated C++
-        wrapper = ", C++ wrapper" + ("" if env_levers.value("TUNELEDGER_ADDMM") == "copy" else " (the LoRA term added out of place in it)")  # or TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
+    wrapper = ""  # compile_cpp_wrapper, or TORCHINDUCTOR_CPP_WRAPPER=1: the bench's *cpp rows
+    if inductor_config.cpp_wrapper:  # the generated C++ cannot call fused_lora's in-place op (add_product)
+        in_place = env_levers.value("TUNELEDGER_ADDMM") != "copy"
+        wrapper = ", C++ wrapper" + (" (the LoRA term added out of place in it)" if in_place else "")
     inside = ""
     if checkpoint:
         inside = ", checkpointing inside" + (", partitioner's choice" if env_levers.value("TUNELEDGER_CHECKPOINT_POLICY") == "prefer"
