@@ -29,8 +29,8 @@ def install() -> str | None:
     """Put `scale_without_sync` in place of Liger's backward in its module (the autograd function
     calls it by that module's global name). Idempotent. Returns None when it is in place, or why
     Liger's own was left (liger-kernel missing, or a version whose backward's source is not the one
-    this replaces, or that lacks what the replacement calls). TUNELEDGER_LIGER_BACKWARD=liger (make bench's
-    `*ligerbwd` rows, the A/B) keeps Liger's own."""
+    this replaces, or that lacks what the replacement calls). TUNELEDGER_LIGER_BACKWARD=liger
+    (make bench's `*ligerbwd` rows, the A/B) keeps Liger's own."""
     if env_levers.value("TUNELEDGER_LIGER_BACKWARD") == "liger":
         return "TUNELEDGER_LIGER_BACKWARD=liger"
     try:
