@@ -232,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
             return 128 + stop.signum
 
 
-
 def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: BeforeRanks) -> int:
     startup = {"python_start_s": eta_.process_age_s()}
     locate_model(base.model_name_or_path)  # at once, before torch loads

@@ -77,10 +77,11 @@ def markdown(led: dict) -> str:
             lines.append(f"| {r['preset']} | {f['ddp_gib']:.1f} | " + " | ".join(f"{f['f_gib'][n]:.1f}" for n in worlds) + " |")
         lines += ["", f"{fit[0]['per_gpu_peak']['formula']} (sharding.predicted_peak_gib)."]
     lines += ["", "## Where the step time goes (seconds per optimizer step, steady state; adds up to the window's mean step)", ""]
-    if not rows:  # every preset skipped or stopped: no steady window to split
+    if rows:
+        lines += ["| preset | forward+backward (per micro-batch x n) | all-reduce | sync wait | optimizer | other | data wait | all-reduce bus GB/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    else:  # every preset skipped or stopped: no steady window to split
         lines.append("No preset finished its measured steps: nothing to split (see the skipped rows above).")
-    lines += ["| preset | forward+backward (per micro-batch x n) | all-reduce | sync wait | optimizer | other | data wait | all-reduce bus GB/s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"] if rows else []
     for r in rows:
         p = r["split"]
         bw = r["allreduce"].get("busbw_gbs")
