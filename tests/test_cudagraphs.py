@@ -75,3 +75,75 @@ def test_each_micro_batch_marks_a_cudagraph_step(tiny_model, qwen_tokenizer, tmp
         for _ in range(2):
             t.training_step(m, dict(b))
         assert len(marks) == want
+
+
+def _two_micro_batches(t, m, b):
+    for _ in range(2):
+        t.training_step(m, dict(b))
+    return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+
+
+def test_each_parameter_has_a_grad_before_the_first_backward_so_it_is_added_in_place(
+        tiny_model, qwen_tokenizer, tmp_path, monkeypatch):
+    # A graph output kept as .grad would be overwritten by the next micro-batch's replay
+    # (bench/results/h100-2026-12-06f-call2): the gradient must land in a tensor the trainer made.
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from tuneledger.trainer import LedgerTrainer
+
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=3)
+    b = make_collator(_cfg(), qwen_tokenizer)(_feats())
+    grads = {}
+    for env in (None, "1"):
+        if env:
+            monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", env)
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        m.lm_head.weight.requires_grad_(False)  # a frozen parameter keeps no grad either way
+        t = LedgerTrainer(model=m, args=args, n_params=1, drop_padding_mask=True)
+        t.current_gradient_accumulation_steps = 2
+        made = {}
+        if env:
+            t._grads_before_backward(m)
+            made = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+            assert all((g == 0).all() for g in made.values()) and m.lm_head.weight.grad is None
+        grads[env] = _two_micro_batches(t, m, b)
+        for n, g in made.items():  # the same tensors took both micro-batches' gradients
+            assert dict(m.named_parameters())[n].grad is g, n
+        assert m.lm_head.weight.grad is None
+        m.zero_grad()  # the Trainer's, after the optimizer step: None again, made again next step
+        t._grads_before_backward(m)
+        assert all(p.grad is not None for p in m.parameters() if p.requires_grad) if env else True
+    assert grads[None].keys() == grads["1"].keys()
+    for n in grads[None]:
+        torch.testing.assert_close(grads["1"][n], grads[None][n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_compiled_layers_replayed_as_cuda_graphs_accumulate_two_micro_batches_as_eager(
+        tiny_model, qwen_tokenizer, tmp_path, monkeypatch):
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU (the device call runs this)")
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from tuneledger.trainer import LedgerTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=3, bf16=False)
+    grads = {}
+    for env in (None, "1"):
+        if env:
+            monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", env)
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa").cuda()
+        if env:
+            compiled.compile_layers(m, True, "cuda", fused=False, quantized=False)
+        b = {k: v.cuda() for k, v in make_collator(_cfg(), qwen_tokenizer)(_feats()).items()}
+        t = LedgerTrainer(model=m, args=args, n_params=1, drop_padding_mask=True)
+        t.current_gradient_accumulation_steps = 2
+        for _ in range(3):  # the first calls record the graphs; the third step replays them
+            m.zero_grad()
+            grads[env] = _two_micro_batches(t, m, b)
+    for n in grads[None]:
+        torch.testing.assert_close(grads["1"][n], grads[None][n], rtol=2e-3, atol=2e-5, msg=n)

@@ -42,6 +42,7 @@ class LedgerTrainer(Trainer):
         self.n_params = n_params
         self.drop_padding_mask = drop_padding_mask  # padding_mask_lever's decision
         self.cudagraphs = cudagraphs_wanted()
+        self._trainable: list[torch.nn.Parameter] | None = None  # under CUDA graphs: _grads_before_backward
         self.replay = False  # dry-run: train_dataset is already in the real run's order (replay_order)
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
         self.step_tokens: list[torch.Tensor] = []  # running count at each step end (no sync)
@@ -61,6 +62,7 @@ class LedgerTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.cudagraphs:  # a new micro-batch: the graphs' outputs of the last one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
+            self._grads_before_backward(model)
         mask = inputs.get("attention_mask")
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
         if self.drop_padding_mask and mask is not None:
@@ -76,6 +78,17 @@ class LedgerTrainer(Trainer):
         # (each is scaled by the step's token count or the accumulation); kept on the device.
         self.loss_sum += loss.detach().float()
         return loss
+
+    def _grads_before_backward(self, model) -> None:
+        # AccumulateGrad keeps the first micro-batch's gradient itself as .grad when .grad is None;
+        # under CUDA graphs that tensor is a graph output, overwritten by the next replay ("accessing
+        # tensor output of CUDAGraphs that has been overwritten", bench/results/h100-2026-12-06f-call2).
+        # A .grad that exists takes an in-place add instead: zeros, one fill per step.
+        if self._trainable is None:
+            self._trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in self._trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
