@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from tuneledger.files import disk_full  # noqa: E402
 from tuneledger.guards import DiskFullError, SealCheckpoint, disk_full_message  # noqa: E402
 from tuneledger.rows import known_rows  # noqa: E402
 from tuneledger.safeload import checkpoint_loading  # noqa: E402
+from tuneledger.train_mode import TrainWalk  # noqa: E402
 
 
 class LedgerTrainer(Trainer):
@@ -43,6 +45,7 @@ class LedgerTrainer(Trainer):
         self.drop_padding_mask = drop_padding_mask  # padding_mask_lever's decision
         self.cudagraphs = cudagraphs_wanted()
         self._trainable: list[torch.nn.Parameter] | None = None  # under CUDA graphs: _grads_before_backward
+        self.train_walk = TrainWalk()  # model.train() at each micro-batch without its walk (train_mode.py)
         self.replay = False  # dry-run: train_dataset is already in the real run's order (replay_order)
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.args.device)
         self.step_tokens: list[torch.Tensor] = []  # running count at each step end (no sync)
@@ -65,14 +68,13 @@ class LedgerTrainer(Trainer):
             self._grads_before_backward(model)
         mask = inputs.get("attention_mask")
         self.tokens += mask.sum() if mask is not None else inputs["input_ids"].numel()
+        kind = None  # what known_rows tells transformers of the rows, so that it need not ask the GPU
         if self.drop_padding_mask and mask is not None:
             inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
-            with known_rows("padded"):
-                loss = super().training_step(model, inputs, num_items_in_batch)
+            kind = "padded"
         elif mask is None and "position_ids" in inputs:  # the packing collator's rows (make_collator)
-            with known_rows("packed"):
-                loss = super().training_step(model, inputs, num_items_in_batch)
-        else:
+            kind = "packed"
+        with self.train_walk.skipped(model), known_rows(kind) if kind else nullcontext():
             loss = super().training_step(model, inputs, num_items_in_batch)
         # The micro-batch losses of a step add up to the step's loss, as the Trainer logs it
         # (each is scaled by the step's token count or the accumulation); kept on the device.
