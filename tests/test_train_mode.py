@@ -94,3 +94,12 @@ def test_the_trainer_puts_a_model_left_in_eval_mode_back_in_training_mode(tiny_m
         assert seen[-1] is True and all(x.training for x in m.modules())
     assert "train" not in m.__dict__
     assert t.train_walk._modules is not None  # a plain model: the walk was skippable
+
+
+def test_train_walk_every_keeps_the_stock_walk_for_the_a_b(monkeypatch):
+    m, walk = _model().train(), TrainWalk()
+    monkeypatch.setenv("TUNELEDGER_TRAIN_WALK", "every")
+    calls = _walks(monkeypatch)
+    with walk.skipped(m):
+        m.train()
+    assert len(calls) == len(list(m.modules()))

@@ -18,6 +18,8 @@ CHOICES = {
                          "copy: out of place", "fused_lora.py"),
     "TUNELEDGER_LIGER_BACKWARD": (("liger",), "liger: Liger's own fused cross-entropy backward (unset: ours, "
                                   "without its host syncs)", "liger_backward.py"),
+    "TUNELEDGER_TRAIN_WALK": (("every",), "every: Trainer's model.train() walks every module at every micro-batch "
+                              "(unset: only when a module left training mode)", "train_mode.py"),
     "TUNELEDGER_CUDAGRAPHS": (("0", "1"), "1: compiled layers as CUDA graphs", "compiled.py"),
     "TUNELEDGER_DEQUANT": (("graph",), "graph: NF4 dequantized in the compiled graph", "compiled.py"),
     "TUNELEDGER_CHECKPOINT_OUTSIDE": (("0", "1"), "1: transformers' checkpoint around the compiled layers",

@@ -7,7 +7,8 @@ when a module has left training mode (an evaluation, a callback's `model.eval()`
 
 Exact where it applies: every module's `train` must be one known to do nothing more than set the
 flag (nn.Module's, transformers' PreTrainedModel's, DDP's); a model with any other override (peft's
-DoRA clears a cache in it) keeps the walk at every call.
+DoRA clears a cache in it) keeps the walk at every call. TUNELEDGER_TRAIN_WALK=every keeps it too:
+make bench's `*walk` rows, the A/B.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+
+from tuneledger import env_levers
 
 
 def _plain_trains() -> tuple:
@@ -49,7 +52,7 @@ class TrainWalk:
     def skipped(self, model: torch.nn.Module) -> Iterator[None]:
         """Within the block, `model.train()` (mode True) returns at once when every module is
         training; `model.train(False)`, or a module out of training mode, runs the real walk."""
-        mods = self._kept(model)
+        mods = None if env_levers.value("TUNELEDGER_TRAIN_WALK") == "every" else self._kept(model)
         if mods is None:
             yield
             return
