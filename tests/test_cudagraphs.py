@@ -6,6 +6,7 @@ give the same loss as rows padded to the longest, and the trainer marks each mic
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tuneledger import compiled
@@ -20,6 +21,17 @@ def _feats(lengths=(9, 23, 4)):
         ids = torch.randint(10, 1000, (n,), generator=g).tolist()
         out.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})
     return out
+
+
+@pytest.fixture(autouse=True)
+def _no_graphs_yet(monkeypatch):
+    monkeypatch.setattr(compiled, "_GRAPHS", [False])  # compile_layers sets it; each test starts without
+
+
+def _graphs(monkeypatch):
+    """As compile_layers leaves it after compiling a CUDA model's layers with TUNELEDGER_CUDAGRAPHS=1."""
+    monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", "1")
+    monkeypatch.setattr(compiled, "_GRAPHS", [True])
 
 
 def _cfg():
@@ -38,6 +50,26 @@ def test_compiled_layers_are_asked_for_cuda_graphs_and_the_line_says_so(monkeypa
     line = compiled.compile_layers(model, True, "cuda", fused=True, quantized=False)
     assert [kw.get("mode") for kw in asked] == ["reduce-overhead"] * 3
     assert "CUDA graphs (TUNELEDGER_CUDAGRAPHS=1, rows padded to a multiple of 64)" in line
+    assert compiled.cudagraphs_on() and compiled.pad_multiple() == 64
+
+
+def test_without_layers_compiled_on_a_gpu_the_variable_changes_nothing(tiny_model, qwen_tokenizer, tmp_path, monkeypatch):
+    # A trial: on CPU, TUNELEDGER_CUDAGRAPHS=1 padded rows to 64 and filled grads (18% slower, said nowhere).
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from tuneledger.trainer import LedgerTrainer
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", "1")
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    for args in ((True, "cpu"), (None, "cpu"), (False, "cuda")):  # compiled on CPU, auto off on CPU, off
+        line = compiled.compile_layers(model, *args, fused=True, quantized=False)
+        assert "CUDA graphs" not in line and not compiled.cudagraphs_on() and compiled.pad_multiple() is None, args
+    assert make_collator(_cfg(), qwen_tokenizer)(_feats())["input_ids"].shape[1] == 23
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    t = LedgerTrainer(model=m, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]), n_params=1)
+    assert not t.cudagraphs
 
 
 def test_bucketed_rows_give_the_loss_of_rows_padded_to_the_longest(tiny_model, qwen_tokenizer, monkeypatch):
@@ -45,7 +77,7 @@ def test_bucketed_rows_give_the_loss_of_rows_padded_to_the_longest(tiny_model, q
 
     m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa").eval()
     longest = make_collator(_cfg(), qwen_tokenizer)(_feats())
-    monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", "1")
+    _graphs(monkeypatch)
     bucketed = make_collator(_cfg(), qwen_tokenizer)(_feats())
     assert longest["input_ids"].shape[1] == 23 and bucketed["input_ids"].shape[1] == 64
     assert (bucketed["labels"][:, 23:] == -100).all() and bucketed["attention_mask"].sum() == longest["attention_mask"].sum()
@@ -68,7 +100,7 @@ def test_each_micro_batch_marks_a_cudagraph_step(tiny_model, qwen_tokenizer, tmp
     b = make_collator(_cfg(), qwen_tokenizer)(_feats())
     for env, want in ((None, 0), ("1", 2)):
         if env:
-            monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", env)
+            _graphs(monkeypatch)
         t = LedgerTrainer(model=m, args=args, n_params=1, drop_padding_mask=True)
         t.current_gradient_accumulation_steps = 1
         marks.clear()
@@ -97,7 +129,7 @@ def test_each_parameter_has_a_grad_before_the_first_backward_so_it_is_added_in_p
     grads = {}
     for env in (None, "1"):
         if env:
-            monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", env)
+            _graphs(monkeypatch)
         torch.manual_seed(0)
         m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         m.lm_head.weight.requires_grad_(False)  # a frozen parameter keeps no grad either way
@@ -122,8 +154,6 @@ def test_each_parameter_has_a_grad_before_the_first_backward_so_it_is_added_in_p
 
 def test_compiled_layers_replayed_as_cuda_graphs_accumulate_two_micro_batches_as_eager(
         tiny_model, qwen_tokenizer, tmp_path, monkeypatch):
-    import pytest
-
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need a GPU (the device call runs this)")
     from transformers import AutoModelForCausalLM, TrainingArguments

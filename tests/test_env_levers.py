@@ -63,3 +63,68 @@ def test_the_container_passes_every_variable_through():
     for name in [*env_levers.CHOICES, "TUNELEDGER_PROFILE_STEP"]:
         assert name in names, f"{name} is not in docker-compose.yml's x-environment"
         assert name in env, f"{name} should pass through as a bare name (only when set in the shell), not a default"
+
+
+def test_the_sync_debug_step_is_a_step_number(monkeypatch):
+    """A trial: TUNELEDGER_SYNC_DEBUG=yes passed every check, then every rank on a GPU would have
+    raised int()'s ValueError after the model load."""
+    for v in env_levers.CHOICES:
+        monkeypatch.delenv(v, raising=False)
+    for ok in ("", "3", " 12 "):
+        monkeypatch.setenv("TUNELEDGER_SYNC_DEBUG", ok)
+        env_levers.check()
+    for bad in ("yes", "0", "-1", "2.5"):
+        monkeypatch.setenv("TUNELEDGER_SYNC_DEBUG", bad)
+        with pytest.raises(ConfigError, match=rf"^TUNELEDGER_SYNC_DEBUG='{bad}': not a step number"):
+            env_levers.check()
+
+
+def test_a_misspelt_variable_is_warned_of_with_the_name_it_is_closest_to(monkeypatch, capsys):
+    for n in [n for n in list(__import__("os").environ) if n.startswith("TUNELEDGER_")]:
+        monkeypatch.delenv(n)
+    monkeypatch.setenv("TUNELEDGER_TRAINWALK", "every")
+    monkeypatch.setenv("TUNELEDGER_ZZZ", "1")
+    env_levers.check()
+    err = capsys.readouterr().err
+    assert "warning: TUNELEDGER_TRAINWALK is not a variable tuneledger reads, so it changes nothing " \
+           "(did you mean TUNELEDGER_TRAIN_WALK?)" in err
+    assert "TUNELEDGER_ZZZ is not a variable tuneledger reads" in err and "the A/B variables: TUNELEDGER_ADDMM" in err
+    monkeypatch.delenv("TUNELEDGER_TRAINWALK")
+    monkeypatch.delenv("TUNELEDGER_ZZZ")
+    monkeypatch.setenv("TUNELEDGER_TRAIN_WALK", "every")
+    monkeypatch.setenv("TUNELEDGER_ADDMM", "copy")
+    env_levers.check()
+    assert capsys.readouterr().err == ""
+    assert env_levers.active() == "TUNELEDGER_ADDMM=copy, TUNELEDGER_TRAIN_WALK=every"
+
+
+def test_every_tuneledger_variable_the_project_names_is_known():
+    """A variable read somewhere but missing from CHOICES/OTHERS would be warned of as misspelt."""
+    import re
+
+    names = set()
+    for path in [*ROOT.glob("src/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("docker/*"), ROOT / "Makefile",
+                 ROOT / "docker-compose.yml", *ROOT.glob(".ci/*"), *ROOT.glob("bench/*.sh"), *ROOT.glob("deploy/**/*")]:
+        if path.is_file():
+            names |= set(re.findall(r"TUNELEDGER_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+    made_up = {"TUNELEDGER_TRAINWALK", "TUNELEDGER_ZZZ"}  # this file's misspellings
+    assert names - made_up - set(env_levers.CHOICES) - set(env_levers.OTHERS) == set()
+
+
+def test_the_ledger_records_the_a_b_variables_a_run_had(tiny_model, monkeypatch):
+    """A trial: TUNELEDGER_TRAIN_WALK=every left train.json and the levers line as without it."""
+    from tuneledger import compiled
+    from tuneledger.config_load import load_config
+    from tuneledger.model import load_model
+
+    for n in env_levers.CHOICES:
+        monkeypatch.delenv(n, raising=False)
+    monkeypatch.setattr("tuneledger.compiled._GRAPHS", [False])
+    cfg = load_config(None, {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4})
+    assert "env" not in load_model(cfg, "cpu")[1]["levers"]
+    monkeypatch.setenv("TUNELEDGER_TRAIN_WALK", "every")
+    monkeypatch.setenv("TUNELEDGER_CUDAGRAPHS", "1")
+    levers = load_model(cfg, "cpu")[1]["levers"]
+    assert levers["env"] == ("TUNELEDGER_TRAIN_WALK=every, TUNELEDGER_CUDAGRAPHS=1 (TUNELEDGER_CUDAGRAPHS: no effect, "
+                             "no layers compiled on a CUDA GPU)"), levers
+    assert not compiled.cudagraphs_on()

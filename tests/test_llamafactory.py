@@ -298,7 +298,7 @@ def test_dryrun_eta_counts_evaluation_and_draws_the_comparison(tmp_path, tiny_mo
     assert row["memory_mib"][0]["peak_rss"] > 0  # CPU runs draw their RAM against the 24 GB line
 
 
-def test_val_size_holds_out_by_seed_and_shrinks_the_steps():
+def test_val_size_holds_out_by_seed_and_shrinks_the_steps(tmp_path):
     import datasets
 
     from tuneledger.data import holdout_count, with_batch
@@ -314,6 +314,15 @@ def test_val_size_holds_out_by_seed_and_shrinks_the_steps():
     train2, ev2 = split_eval(ds, cfg)
     assert len(ev) == 3 and len(train) == 23 and ev["input_ids"] == ev2["input_ids"]  # the same on every rank
     assert not set(map(tuple, ev["input_ids"])) & set(map(tuple, train["input_ids"]))
+    # On the sealed cache as the ranks load it: the split writes nothing beside it (it did: the
+    # next run called the cache damaged and tokenized again).
+    ds.save_to_disk(str(tmp_path / "sealed"))
+    before = sorted(p.name for p in (tmp_path / "sealed").iterdir())
+    train3, ev3 = split_eval(datasets.load_from_disk(str(tmp_path / "sealed")), cfg)
+    assert ev3["input_ids"] == ev["input_ids"] and len(train3) == 23
+    stock = ds.train_test_split(test_size=3, seed=cfg.seed, shuffle=True)  # the split runs had before
+    assert stock["test"]["input_ids"] == ev["input_ids"] and stock["train"]["input_ids"] == train["input_ids"]
+    assert sorted(p.name for p in (tmp_path / "sealed").iterdir()) == before
     with pytest.raises(ConfigError, match="val_size .* and eval_dataset .* both set"):
         load_config(None, ["model_name_or_path=m", "dataset=a.json", "val_size=0.1", "eval_dataset=b.json"])
     with pytest.raises(ConfigError, match="val_size: a count"):

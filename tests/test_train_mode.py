@@ -61,6 +61,18 @@ def test_a_module_whose_train_does_more_keeps_the_walk_at_every_call():
     assert m[0].cleared == 3
 
 
+def test_a_train_set_on_a_module_instance_keeps_the_walk():
+    from types import MethodType
+
+    m, walk = _model().train(), TrainWalk()
+    calls = []
+    m[1].train = MethodType(lambda self, mode=True: calls.append(mode) or nn.Module.train(self, mode), m[1])
+    for _ in range(3):
+        with walk.skipped(m):
+            m.train()
+    assert calls == [True] * 3
+
+
 def test_a_new_model_is_listed_anew():
     walk, a, b = TrainWalk(), _model().train(), _model()
     with walk.skipped(a):

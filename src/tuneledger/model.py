@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tuneledger import compiled, fused_lora, grouped, nf4, nf4_kernel, speed, swiglu
+from tuneledger import compiled, env_levers, fused_lora, grouped, nf4, nf4_kernel, speed, swiglu
 from tuneledger.model_location import PreflightError, hub_offline, locate_model, looks_like_path  # noqa: F401
 from tuneledger.tokenizer_load import fix_end_of_turn, load_tokenizer  # noqa: F401  (tokenizers are the data side's)
 
@@ -211,6 +211,9 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit),
                                checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted(),
                                cpp_wrapper=cfg.compile_cpp_wrapper)
+    if ab := env_levers.active():  # make bench's A/B variables: every row says how it ran
+        unused = compiled.cudagraphs_wanted() and not compiled.cudagraphs_on()
+        levers["env"] = ab + (" (TUNELEDGER_CUDAGRAPHS: no effect, no layers compiled on a CUDA GPU)" if unused else "")
     levers["lora_dropout"] = cfg.lora_dropout
     if cfg.lora_dropout:
         # What the user weighs it against (measured in make bench's Ddrop row, not in this run).

@@ -7,7 +7,7 @@ when a module has left training mode (an evaluation, a callback's `model.eval()`
 
 Exact where it applies: every module's `train` must be one known to do nothing more than set the
 flag (nn.Module's, transformers' PreTrainedModel's, DDP's); a model with any other override (peft's
-DoRA clears a cache in it) keeps the walk at every call. TUNELEDGER_TRAIN_WALK=every keeps it too:
+DoRA clears a cache in it), or a `train` set on a module instance, keeps the walk at every call. TUNELEDGER_TRAIN_WALK=every keeps it too:
 make bench's `*walk` rows, the A/B.
 """
 
@@ -45,7 +45,8 @@ class TrainWalk:
             mods = list(model.modules())
             plain = _plain_trains()
             self._model = model
-            self._modules = mods if all(type(m).train in plain for m in mods) else None
+            # A train set on an instance is called by the stock walk too: such a model keeps it.
+            self._modules = mods if all(type(m).train in plain and "train" not in vars(m) for m in mods) else None
         return self._modules
 
     @contextmanager

@@ -22,7 +22,7 @@ quiet.install()  # before transformers and peft import bitsandbytes, which logs 
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from tuneledger.checkpoints import MANIFEST  # noqa: E402
-from tuneledger.compiled import cudagraphs_wanted  # noqa: E402
+from tuneledger.compiled import cudagraphs_on  # noqa: E402
 from tuneledger.config import JobConfig  # noqa: E402
 from tuneledger.files import disk_full  # noqa: E402
 from tuneledger.guards import DiskFullError, SealCheckpoint, disk_full_message  # noqa: E402
@@ -43,7 +43,7 @@ class LedgerTrainer(Trainer):
         super().__init__(*a, **kw)
         self.n_params = n_params
         self.drop_padding_mask = drop_padding_mask  # padding_mask_lever's decision
-        self.cudagraphs = cudagraphs_wanted()
+        self.cudagraphs = cudagraphs_on()  # the model is compiled before the trainer is made
         self._trainable: list[torch.nn.Parameter] | None = None  # under CUDA graphs: _grads_before_backward
         self.train_walk = TrainWalk()  # model.train() at each micro-batch without its walk (train_mode.py)
         self.replay = False  # dry-run: train_dataset is already in the real run's order (replay_order)

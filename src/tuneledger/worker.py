@@ -99,6 +99,9 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
     mode, cuda = job["mode"], device.type == "cuda"
     out_dir = Path(job["out_dir"])
     datasets.disable_progress_bars()
+    # The prepared data is a sealed cache: a transform's cache file written beside it (datasets'
+    # default) would make the next run call it damaged. Transforms here write to a temporary folder.
+    datasets.disable_caching()
     ds = datasets.load_from_disk(job["data_path"]).select_columns(["input_ids", "labels"])
     ds, eval_ds = split_eval(ds, cfg)
     if job.get("eval_data_path"):
@@ -267,8 +270,15 @@ def split_eval(ds: Any, cfg: JobConfig) -> tuple[Any, Any]:
     n = holdout_count(len(ds), cfg.val_size)
     if not n:
         return ds, None
-    parts = ds.train_test_split(test_size=n, seed=cfg.seed, shuffle=True)
-    return parts["train"], parts["test"]
+    # datasets' train_test_split(seed=...) split, by its own algorithm (a permutation from
+    # numpy's default_rng(seed), the first n held out), so runs and resumes hold out the same
+    # records as before. It is not called: on a dataset loaded from disk it writes its index
+    # mapping as cache-*.arrow into the sealed cache folder, which the next run then finds damaged
+    # and tokenizes again (keep_in_memory=True is refused there). select() keeps it in memory.
+    import numpy as np
+
+    order = np.random.default_rng(cfg.seed).permutation(len(ds))
+    return ds.select(order[n:]), ds.select(order[:n])
 
 
 def resolve_report_to(cfg: JobConfig, rank: int) -> str:
