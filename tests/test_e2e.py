@@ -213,4 +213,8 @@ def test_a_dry_run_whose_every_preset_fails_leaves_the_earlier_ledger(tmp_path, 
     assert "this run's log is" in crashed.stdout and (tmp_path / "dry" / "dryrun.failed.log").exists()
     failed = json.loads((tmp_path / "dry" / "dryrun.failed.json").read_text())["presets"]
     assert [r["preset"] for r in failed] == ["A"] and "s_per_step" not in failed[0], failed
-    assert "is left as it was, this run's rows are in" in crashed.stdout
+    assert f"is left as it was with its log dryrun.log; this run's log is {tmp_path / 'dry' / 'dryrun.failed.log'}" \
+        in crashed.stdout and "; this run's rows are in" in crashed.stdout
+    # The failed rows' "see .../dryrun.log" names this run's log where it went, not the kept one.
+    text = (tmp_path / "dry" / "dryrun.failed.json").read_text()
+    assert "dryrun.failed.log" in text and f"{tmp_path / 'dry' / 'dryrun.log'}\"" not in text

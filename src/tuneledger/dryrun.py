@@ -38,7 +38,8 @@ from tuneledger.launch import BeforeRanks, StoppedBeforeStart, Terminated, proce
 from tuneledger.ledger import CAP_24GB_GIB
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.model_location import synthetic_model
-from tuneledger.dryrun_keep import earlier_presets, keep_earlier_log, put_back, put_back_earlier
+from tuneledger.dryrun_keep import (earlier_presets, keep_earlier_log, kept_log_words, mark_log, put_back,
+                                    put_back_earlier, start_log)
 from tuneledger.preflight_checks import check_data
 from tuneledger.nodes import Nodes, from_args, summary
 from tuneledger.nodes import add_arguments as add_node_arguments
@@ -273,10 +274,7 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     log = out_root / f"dryrun{nodes.suffix()}.log"
     if nodes.first:
         put_back_earlier(out_root / "dryrun")
-    earlier_log = log.with_name(log.name + ".1") if log.exists() else None
-    if earlier_log:  # the earlier dry-run's log stays readable beside this one's (a rename needs no room)
-        log.rename(earlier_log)
-    log.touch()
+    earlier_log = start_log(log, out_root / "dryrun.json", nodes.first)  # the ledger's log kept readable
     topo = topology() if not cpu else {"link": "n/a (CPU, gloo)", "matrix": ""}
     # NVML from this (launcher) process: it holds no CUDA context, sees every GPU, and its rows go
     # to the same daily CSV the monitor sidecar writes, for `tuneledger monitor plot`.
@@ -315,18 +313,21 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         rows += [{"preset": n, "skipped": stopped} for n in names if n not in {r["preset"] for r in rows}]
         if not done and (out_root / "dryrun.json").exists():  # an earlier, whole ledger is worth more than none
             print(f"\n{stopped}: no preset finished; {out_root / 'dryrun.json'} is left as it was"
-                  f"{keep_earlier_log(log, earlier_log)}", flush=True)
+                  f"{kept_log_words(log, keep_earlier_log(log, earlier_log))}", flush=True)
             return rc
         print(f"\n{stopped}: " + ("writing the ledger of the presets measured so far" if done else
                                   "no preset finished; writing a ledger that says so (there is no earlier one to keep)"), flush=True)
     elif (not done or full) and (out_root / "dryrun.json").exists() and nodes.first:
         # Every preset failed, or the disk filled (each said why above): the earlier, whole ledger
         # stays; this run's rows go beside it, so a fix can be checked against them.
-        failed = out_root / "dryrun.failed.json"
-        write_text_atomic(failed, json.dumps({"presets": rows}, indent=1, ensure_ascii=False, default=str))
+        failed, moved = out_root / "dryrun.failed.json", keep_earlier_log(log, earlier_log)
+        text = json.dumps({"presets": rows}, indent=1, ensure_ascii=False, default=str)
+        if moved:  # the rows' "see .../dryrun.log" now means this run's log where it went
+            text = text.replace(json.dumps(str(log))[1:-1], json.dumps(str(moved))[1:-1])
+        write_text_atomic(failed, text)
         what = f"the disk filled during preset {full}" if full else "no preset was measured"
-        print(f"\n{what}; {out_root / 'dryrun.json'} is left as it was, this run's rows are in {failed}"
-              f"{keep_earlier_log(log, earlier_log)}", flush=True)
+        print(f"\n{what}; {out_root / 'dryrun.json'} is left as it was{kept_log_words(log, moved)}; this run's "
+              f"rows are in {failed}", flush=True)
         return rc
     if not nodes.first:
         print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
@@ -354,6 +355,7 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     png = pictures(led, rows, samples, out_root, f"dry-run {base.run_name}: {world} x")
     dropped = earlier_presets(out_root / "dryrun.json") - {r["preset"] for r in done}
     ledger.write(out_root, "dryrun", led, markdown(led))
+    mark_log(log, led["date"])
     if dropped:
         print(f"note: the earlier dryrun.json measured {', '.join(sorted(dropped))} too; this one replaces it and holds "
               f"{', '.join(r['preset'] for r in done) or 'none'} (--preset all measures every preset)", flush=True)

@@ -1,6 +1,10 @@
 """What a dry-run keeps of the one before it: the earlier ledger's presets, the preset folders a
-killed run set aside (put back), and, when this run measured nothing and the earlier ledger stays,
-that ledger's own log back under its name (this run's beside it as dryrun.failed.log).
+killed run set aside (put back), and the ledger's own log. dryrun.json names dryrun.log: a run
+moves the log before it to dryrun.log.1 at its start (start_log), marks its log when it writes the
+ledger (mark_log), and, when it measured nothing and the earlier ledger stays, puts that ledger's
+log back under its name, its own beside it as dryrun.failed.log (keep_earlier_log). A run killed
+(-9) before its end never marks its log: the next start sets that log aside as dryrun.failed.log
+instead of moving it over the ledger's.
 """
 
 from __future__ import annotations
@@ -44,16 +48,73 @@ def put_back(earlier: Path, run_dir: Path, failed: Path) -> None:
     earlier.rename(run_dir)
 
 
-def keep_earlier_log(log: Path, earlier: Path | None) -> str:
+MARK = "dry-run ledger written: "  # + the ledger's "date": the last line of the log it names
+
+
+def failed_log(log: Path) -> Path:
+    """dryrun.log -> dryrun.failed.log: the log of a run whose rows did not become the ledger."""
+    return log.with_name(log.name.replace(".log", ".failed.log"))
+
+
+def _ledger_date(ledger: Path) -> str | None:
+    try:
+        return json.loads(ledger.read_text()).get("date")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def start_log(log: Path, ledger: Path, first_node: bool = True) -> Path | None:
+    """At a dry-run's start: the log before it out of the way, `log` made empty. Returns where the
+    ledger's log now is (dryrun.log.1; None when there was no log). A log that is not the ledger's
+    (no mark of its date: a run killed with -9) goes to dryrun.failed.log, so that the ledger's,
+    moved to .1 by that run's start, stays. Nodes other than the first write no ledger: plain move."""
+    one = log.with_name(log.name + ".1")
+    earlier = None
+    if log.exists():
+        date = _ledger_date(ledger) if first_node else None
+        if date and one.exists() and not marked(log, date):
+            log.replace(failed_log(log))  # renames only: a full disk allows them
+        else:
+            log.replace(one)
+        earlier = one
+    log.touch()
+    return earlier
+
+
+def mark_log(log: Path, date: str) -> None:
+    """The ledger dated `date` was written from this run: its log says so last (start_log reads it)."""
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"{MARK}{date}\n")
+
+
+def marked(log: Path, date: str) -> bool:
+    """Whether `log` ends with the mark of the ledger dated `date` (its last 4 KiB are read)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            return f"{MARK}{date}".encode() in f.read()
+    except OSError:
+        return False
+
+
+def keep_earlier_log(log: Path, earlier: Path | None) -> Path | None:
     """The earlier ledger is kept: its log goes back to `log` (dryrun.log, which the ledger names)
-    and this run's log to dryrun.failed.log, beside dryrun.failed.json. Returns the clause that
-    says where this run's log is ("" when nothing moved: no earlier log, or a rename failed)."""
+    and this run's log to dryrun.failed.log, beside dryrun.failed.json. Returns where this run's
+    log went (None when nothing moved: no earlier log, or a rename failed)."""
     if earlier is None or not earlier.exists():
-        return ""
-    failed = log.with_name(log.name.replace(".log", ".failed.log"))
+        return None
+    failed = failed_log(log)
     try:
         log.replace(failed)
         earlier.replace(log)
     except OSError:
+        return None
+    return failed
+
+
+def kept_log_words(log: Path, moved: Path | None) -> str:
+    """The clause after "... is left as it was" that says where each log is."""
+    if moved is None:
         return ""
-    return f" with its log {log.name}; this run's log is {failed}"
+    return (f" with its log {log.name}; this run's log is {moved} (the lines above that name {log.name} "
+            f"meant that file)")
