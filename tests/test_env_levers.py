@@ -73,7 +73,7 @@ def test_the_sync_debug_step_is_a_step_number(monkeypatch):
     for ok in ("", "3", " 12 "):
         monkeypatch.setenv("TUNELEDGER_SYNC_DEBUG", ok)
         env_levers.check()
-    for bad in ("yes", "0", "-1", "2.5"):
+    for bad in ("yes", "0", "-1", "2.5", "\u00b2"):  # "²": str.isdigit says yes, int() says no
         monkeypatch.setenv("TUNELEDGER_SYNC_DEBUG", bad)
         with pytest.raises(ConfigError, match=rf"^TUNELEDGER_SYNC_DEBUG='{bad}': not a step number"):
             env_levers.check()
@@ -84,8 +84,13 @@ def test_a_misspelt_variable_is_warned_of_with_the_name_it_is_closest_to(monkeyp
         monkeypatch.delenv(n)
     monkeypatch.setenv("TUNELEDGER_TRAINWALK", "every")
     monkeypatch.setenv("TUNELEDGER_ZZZ", "1")
+    monkeypatch.setenv("TUNELEGDER_CUDAGRAPHS", "1")  # a misspelt prefix
+    monkeypatch.setenv("TUNE_X", "1")  # not ours
     env_levers.check()
     err = capsys.readouterr().err
+    assert "warning: TUNELEGDER_CUDAGRAPHS is not a variable tuneledger reads, so it changes nothing " \
+           "(did you mean TUNELEDGER_CUDAGRAPHS?)" in err and "TUNE_X" not in err
+    monkeypatch.delenv("TUNELEGDER_CUDAGRAPHS")
     assert "warning: TUNELEDGER_TRAINWALK is not a variable tuneledger reads, so it changes nothing " \
            "(did you mean TUNELEDGER_TRAIN_WALK?)" in err
     assert "TUNELEDGER_ZZZ is not a variable tuneledger reads" in err and "the A/B variables: TUNELEDGER_ADDMM" in err
@@ -96,6 +101,11 @@ def test_a_misspelt_variable_is_warned_of_with_the_name_it_is_closest_to(monkeyp
     env_levers.check()
     assert capsys.readouterr().err == ""
     assert env_levers.active() == "TUNELEDGER_ADDMM=copy, TUNELEDGER_TRAIN_WALK=every"
+    monkeypatch.setenv("TUNELEDGER_ZZZ", "1")  # said even when a refusal follows
+    monkeypatch.setenv("TUNELEDGER_SYNC_DEBUG", "x")
+    with pytest.raises(ConfigError, match="TUNELEDGER_SYNC_DEBUG='x'"):
+        env_levers.check()
+    assert "TUNELEDGER_ZZZ is not a variable" in capsys.readouterr().err
 
 
 def test_every_tuneledger_variable_the_project_names_is_known():

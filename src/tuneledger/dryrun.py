@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import shutil
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -34,7 +35,8 @@ from tuneledger.dryrun_report import finding, markdown, print_table
 from tuneledger.dryrun_row import entry, verdict
 from tuneledger.files import says_disk_full, write_text_atomic
 from tuneledger.machine_facts import topology, versions
-from tuneledger.launch import BeforeRanks, StoppedBeforeStart, Terminated, processes, run_workers, sigterm_raises
+from tuneledger.launch import (BeforeRanks, StoppedBeforeStart, Terminated, held_signal, hold_signals, processes, run_workers,
+                               sigterm_raises)
 from tuneledger.ledger import CAP_24GB_GIB
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.model_location import synthetic_model
@@ -221,7 +223,11 @@ def run(args: argparse.Namespace) -> int:
             base, nodes = from_cli(args.items), from_args(args)
             with RunLock(base.out_dir, f"dryrun{nodes.suffix()}.lock",
                          "Two dry-runs in one run directory overwrite each other's ledger (dryrun.json, .md, .log)."):
-                return _run(args, base, nodes, before)
+                rc = _run(args, base, nodes, before)
+                if sig := held_signal():  # it came after the last preset: the ledger was written first
+                    print(f"{signal.Signals(sig).name} after the last preset: the ledger was written first", flush=True)
+                    return 128 + sig
+                return rc
         except RunLocked as e:
             print(f"tuneledger dryrun: {e}", file=sys.stderr)
             return 1
@@ -303,6 +309,7 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         if isinstance(e, SystemExit) and e.code != 143:
             raise
         stopped = "terminated (SIGTERM)"
+    hold_signals()  # what was measured becomes the ledger before any stop
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
     # A stopped command's code (docs/runs-and-output.md): 143 for SIGTERM, 130 for Ctrl-C, as a shell reports them.
@@ -354,8 +361,8 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         led["nodes"] = summary(nodes, nproc, first, first_dir / "nccl")
     png = pictures(led, rows, samples, out_root, f"dry-run {base.run_name}: {world} x")
     dropped = earlier_presets(out_root / "dryrun.json") - {r["preset"] for r in done}
+    mark_log(log, led["date"])  # first: a run stopped between the two leaves no ledger with an unmarked log
     ledger.write(out_root, "dryrun", led, markdown(led))
-    mark_log(log, led["date"])
     if dropped:
         print(f"note: the earlier dryrun.json measured {', '.join(sorted(dropped))} too; this one replaces it and holds "
               f"{', '.join(r['preset'] for r in done) or 'none'} (--preset all measures every preset)", flush=True)

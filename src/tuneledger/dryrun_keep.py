@@ -3,8 +3,8 @@ killed run set aside (put back), and the ledger's own log. dryrun.json names dry
 moves the log before it to dryrun.log.1 at its start (start_log), marks its log when it writes the
 ledger (mark_log), and, when it measured nothing and the earlier ledger stays, puts that ledger's
 log back under its name, its own beside it as dryrun.failed.log (keep_earlier_log). A run killed
-(-9) before its end never marks its log: the next start sets that log aside as dryrun.failed.log
-instead of moving it over the ledger's.
+(-9) before its end never marks its log: the next start sets that log aside as
+dryrun.unfinished.log instead of moving it over the ledger's.
 """
 
 from __future__ import annotations
@@ -65,15 +65,16 @@ def _ledger_date(ledger: Path) -> str | None:
 
 def start_log(log: Path, ledger: Path, first_node: bool = True) -> Path | None:
     """At a dry-run's start: the log before it out of the way, `log` made empty. Returns where the
-    ledger's log now is (dryrun.log.1; None when there was no log). A log that is not the ledger's
-    (no mark of its date: a run killed with -9) goes to dryrun.failed.log, so that the ledger's,
-    moved to .1 by that run's start, stays. Nodes other than the first write no ledger: plain move."""
+    ledger's log now is (dryrun.log.1; None when there was no log). When dryrun.log.1 is the
+    ledger's (its mark) and dryrun.log is not (a run killed with -9 before its end), dryrun.log goes
+    to dryrun.unfinished.log instead, so that the ledger's stays. Otherwise (logs from before the
+    marks, nodes other than the first, which write no ledger) dryrun.log moves to .1."""
     one = log.with_name(log.name + ".1")
     earlier = None
     if log.exists():
         date = _ledger_date(ledger) if first_node else None
-        if date and one.exists() and not marked(log, date):
-            log.replace(failed_log(log))  # renames only: a full disk allows them
+        if date and not marked(log, date) and marked(one, date):
+            log.replace(log.with_name(log.name.replace(".log", ".unfinished.log")))  # renames only: a full disk allows them
         else:
             log.replace(one)
         earlier = one
@@ -82,7 +83,9 @@ def start_log(log: Path, ledger: Path, first_node: bool = True) -> Path | None:
 
 
 def mark_log(log: Path, date: str) -> None:
-    """The ledger dated `date` was written from this run: its log says so last (start_log reads it)."""
+    """The ledger dated `date` is written from this run: its log says so last (start_log reads it).
+    Written before the ledger: a stop between the two leaves the old ledger and a marked log, which
+    start_log then does not take for the old ledger's."""
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"{MARK}{date}\n")
 

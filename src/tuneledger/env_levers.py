@@ -59,17 +59,23 @@ def check() -> None:
     value is set, not empty, and not one it accepts."""
     from tuneledger import profile_step
 
+    for line in unknown():  # first: a refusal below must not hide a misspelt name beside it
+        print(line, file=sys.stderr, flush=True)
     for name, (accepted, what, _) in CHOICES.items():
         v = value(name)
         if v and v not in accepted:
             raise ConfigError(f"{name}={v!r}: use {' or '.join(accepted)} ({what}), or unset it")
     profile_step.requested()
     raw = value(SYNC_DEBUG)
-    if raw and not (raw.isdigit() and int(raw) >= 1):
+    if raw and sync_debug_step() is None:
         raise ConfigError(f"{SYNC_DEBUG}={raw!r}: not a step number; set it to a whole number >= 1 (the optimizer "
                           f"step whose host-device syncs are warned of, 1-based), or unset it")
-    for line in unknown():
-        print(line, file=sys.stderr, flush=True)
+
+
+def sync_debug_step() -> int | None:
+    """TUNELEDGER_SYNC_DEBUG's step (>= 1), or None: unset, empty, or not a step number."""
+    raw = value(SYNC_DEBUG)
+    return int(raw) if raw.isascii() and raw.isdigit() and int(raw) >= 1 else None
 
 
 def unknown() -> list[str]:
@@ -77,12 +83,18 @@ def unknown() -> list[str]:
     known name it is closest to: a misspelt A/B variable would otherwise leave both rows the same."""
     known = [*CHOICES, *OTHERS]
     out = []
-    for name in sorted(n for n in os.environ if n.startswith("TUNELEDGER_") and n not in known):
-        cut = len("TUNELEDGER_")  # compared without the prefix that every name shares
-        near = difflib.get_close_matches(name[cut:], [k[cut:] for k in known], n=1, cutoff=0.6)
+    for name in sorted(n for n in os.environ if n.startswith("TUNELEDGER_") and n not in known or _near_prefix(n)):
+        cut = len(name.split("_", 1)[0]) + 1  # compared without the prefix that every name shares
+        near = difflib.get_close_matches(name[cut:], [k[len("TUNELEDGER_"):] for k in known], n=1, cutoff=0.6)
         out.append(f"warning: {name} is not a variable tuneledger reads, so it changes nothing"
                    + (f" (did you mean TUNELEDGER_{near[0]}?)" if near else f" (the A/B variables: {', '.join(CHOICES)})"))
     return out
+
+
+def _near_prefix(name: str) -> bool:
+    """TUNELEGDER_X, TUNELEDGR_X: a misspelt prefix, which the TUNELEDGER_ scan would not see."""
+    head = name.split("_", 1)[0]
+    return "_" in name and head != "TUNELEDGER" and difflib.SequenceMatcher(None, head, "TUNELEDGER").ratio() >= 0.8
 
 
 def active() -> str:

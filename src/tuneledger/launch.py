@@ -228,6 +228,24 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, prev)
 
 
+_HELD: list[int] = []  # the signals hold_signals recorded
+
+
+def hold_signals() -> None:
+    """From here to the process's end, SIGINT and SIGTERM are recorded instead of raised (main
+    thread only): a dry-run whose presets are measured writes its ledger first (a Ctrl-C while it
+    built the ledger lost every preset, with no word). held_signal() says which came."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda signum, frame: _HELD.append(signum))
+
+
+def held_signal() -> int | None:
+    """The first signal hold_signals recorded, or None."""
+    return _HELD[0] if _HELD else None
+
+
 def torchrun_command(nproc: int, port: int, target: list[str], extra: list[str] = ()) -> list[str]:
     """torchrun for one node, its rendezvous store listening on 127.0.0.1 only (tuneledger.torchrun)."""
     return [sys.executable, "-m", "tuneledger.torchrun", f"--nproc-per-node={nproc}", "--nnodes=1",

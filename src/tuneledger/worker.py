@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuneledger import profile_step, unsloth_backend
+from tuneledger import env_levers, profile_step, unsloth_backend
 
 unsloth_backend.import_first()  # use_unsloth: Unsloth patches transformers and peft as it imports, so first
 
@@ -156,8 +156,8 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         positions = replay_order(trainer, ds, job["total_steps"], job["steps_per_epoch"], cfg.dryrun_warmup_steps,
                                  cfg.dryrun_steps - cfg.dryrun_warmup_steps)
         timeline["order_s"] = time.perf_counter() - t_order  # dry-run only: not part of the ETA's set-up
-    if os.environ.get("TUNELEDGER_SYNC_DEBUG") and cuda:
-        trainer.add_callback(SyncDebug(int(os.environ["TUNELEDGER_SYNC_DEBUG"])))
+    if (step := env_levers.sync_debug_step()) and cuda:  # checked by the launcher (env_levers.check)
+        trainer.add_callback(SyncDebug(step))
     if profiled := profile_step.requested():  # the launcher already refused a bad value
         from tuneledger.profile import StepProfile
 
