@@ -79,15 +79,18 @@ def test_the_first_run_and_other_nodes(tmp_path):
 
 def test_a_signal_after_the_presets_is_held_until_the_ledger_is_written():
     # A second trial: Ctrl-C while the dry-run built its ledger (after the last preset) exited 130
-    # with nothing written and nothing said. From hold_signals on, SIGINT and SIGTERM are recorded.
+    # with nothing written and nothing said. From SignalHold.start on, SIGINT and SIGTERM are recorded.
     import subprocess
     import sys
 
     code = ("import os, signal\n"
-            "from tuneledger.launch import hold_signals, held_signal\n"
-            "hold_signals()\n"
-            "os.kill(os.getpid(), signal.SIGINT)\n"
-            "os.kill(os.getpid(), signal.SIGTERM)\n"
-            "print('ledger written', held_signal())\n")
+            "from tuneledger.launch import SignalHold\n"
+            "before = signal.getsignal(signal.SIGINT)\n"
+            "with SignalHold() as hold:\n"
+            "    hold.start()\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    print('ledger written', hold.held)\n"
+            "print(signal.getsignal(signal.SIGINT) is before)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and p.stdout.strip() == "ledger written 2", p.stdout + p.stderr
+    assert p.returncode == 0 and p.stdout.split("\n")[:2] == ["ledger written [2, 15]", "True"], p.stdout + p.stderr

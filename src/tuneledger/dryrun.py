@@ -35,8 +35,7 @@ from tuneledger.dryrun_report import finding, markdown, print_table
 from tuneledger.dryrun_row import entry, verdict
 from tuneledger.files import says_disk_full, write_text_atomic
 from tuneledger.machine_facts import topology, versions
-from tuneledger.launch import (BeforeRanks, StoppedBeforeStart, Terminated, held_signal, hold_signals, processes, run_workers,
-                               sigterm_raises)
+from tuneledger.launch import BeforeRanks, SignalHold, StoppedBeforeStart, Terminated, processes, run_workers, sigterm_raises
 from tuneledger.ledger import CAP_24GB_GIB
 from tuneledger.model import PreflightError, locate_model
 from tuneledger.model_location import synthetic_model
@@ -223,10 +222,11 @@ def run(args: argparse.Namespace) -> int:
             base, nodes = from_cli(args.items), from_args(args)
             with RunLock(base.out_dir, f"dryrun{nodes.suffix()}.lock",
                          "Two dry-runs in one run directory overwrite each other's ledger (dryrun.json, .md, .log)."):
-                rc = _run(args, base, nodes, before)
-                if sig := held_signal():  # it came after the last preset: the ledger was written first
-                    print(f"{signal.Signals(sig).name} after the last preset: the ledger was written first", flush=True)
-                    return 128 + sig
+                with SignalHold() as hold:
+                    rc = _run(args, base, nodes, before, hold)
+                if hold.held:  # it came after the last preset: the ledger was written first
+                    print(f"{signal.Signals(hold.held[0]).name} after the last preset: the ledger was written first", flush=True)
+                    return 128 + hold.held[0]
                 return rc
         except RunLocked as e:
             print(f"tuneledger dryrun: {e}", file=sys.stderr)
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             return 128 + stop.signum
 
 
-def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: BeforeRanks) -> int:
+def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: BeforeRanks, hold: SignalHold) -> int:
     startup = {"python_start_s": eta_.process_age_s()}
     locate_model(base.model_name_or_path)  # at once, before torch loads
     check_data(base)  # and a dataset that is not there
@@ -309,7 +309,7 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         if isinstance(e, SystemExit) and e.code != 143:
             raise
         stopped = "terminated (SIGTERM)"
-    hold_signals()  # what was measured becomes the ledger before any stop
+    hold.start()  # what was measured becomes the ledger before any stop
     done = [r for r in rows if "s_per_step" in r]
     samples = sampler.stop() if sampler else []
     # A stopped command's code (docs/runs-and-output.md): 143 for SIGTERM, 130 for Ctrl-C, as a shell reports them.

@@ -228,22 +228,28 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, prev)
 
 
-_HELD: list[int] = []  # the signals hold_signals recorded
+class SignalHold:
+    """From start() to the end of its `with` block, SIGINT and SIGTERM are recorded in `held`
+    instead of raised (main thread only); the handlers before it come back at the block's end. A
+    dry-run whose presets are measured writes its ledger first: a Ctrl-C while it built the ledger
+    lost every preset, with no word."""
 
+    def __init__(self):
+        self.held: list[int] = []
+        self._prev: dict | None = None
 
-def hold_signals() -> None:
-    """From here to the process's end, SIGINT and SIGTERM are recorded instead of raised (main
-    thread only): a dry-run whose presets are measured writes its ledger first (a Ctrl-C while it
-    built the ledger lost every preset, with no word). held_signal() says which came."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda signum, frame: _HELD.append(signum))
+    def __enter__(self) -> "SignalHold":
+        return self
 
+    def start(self) -> None:
+        if self._prev is None and threading.current_thread() is threading.main_thread():
+            self._prev = {s: signal.signal(s, lambda signum, frame: self.held.append(signum))
+                          for s in (signal.SIGINT, signal.SIGTERM)}
 
-def held_signal() -> int | None:
-    """The first signal hold_signals recorded, or None."""
-    return _HELD[0] if _HELD else None
+    def __exit__(self, *exc) -> None:
+        for s, handler in (self._prev or {}).items():
+            signal.signal(s, handler)
+        self._prev = None
 
 
 def torchrun_command(nproc: int, port: int, target: list[str], extra: list[str] = ()) -> list[str]:
