@@ -51,9 +51,10 @@ def put_back(earlier: Path, run_dir: Path, failed: Path) -> None:
 MARK = "dry-run ledger written: "  # + the ledger's "date": the last line of the log it names
 
 
-def failed_log(log: Path) -> Path:
-    """dryrun.log -> dryrun.failed.log: the log of a run whose rows did not become the ledger."""
-    return log.with_name(log.name.replace(".log", ".failed.log"))
+def failed_log(log: Path, kind: str = "failed") -> Path:
+    """dryrun.log -> dryrun.failed.log: the log of a run whose rows did not become the ledger
+    (`kind` "unfinished": of a run killed before its end)."""
+    return log.with_name(log.name.replace(".log", f".{kind}.log"))
 
 
 def _ledger_date(ledger: Path) -> str | None:
@@ -74,7 +75,7 @@ def start_log(log: Path, ledger: Path, first_node: bool = True) -> Path | None:
     if log.exists():
         date = _ledger_date(ledger) if first_node else None
         if date and not marked(log, date) and marked(one, date):
-            log.replace(log.with_name(log.name.replace(".log", ".unfinished.log")))  # renames only: a full disk allows them
+            log.replace(failed_log(log, "unfinished"))  # renames only: a full disk allows them
         else:
             log.replace(one)
         earlier = one

@@ -66,16 +66,28 @@ def check() -> None:
         if v and v not in accepted:
             raise ConfigError(f"{name}={v!r}: use {' or '.join(accepted)} ({what}), or unset it")
     profile_step.requested()
-    raw = value(SYNC_DEBUG)
-    if raw and sync_debug_step() is None:
-        raise ConfigError(f"{SYNC_DEBUG}={raw!r}: not a step number; set it to a whole number >= 1 (the optimizer "
-                          f"step whose host-device syncs are warned of, 1-based), or unset it")
+    sync_debug_step()
+
+
+def step_number(name: str, what: str) -> int | None:
+    """$name as an optimizer step (1-based), None when unset or empty. Raises ConfigError for
+    anything but a whole number >= 1, saying what the step is for (`what`)."""
+    raw = value(name)
+    if not raw:
+        return None
+    try:
+        step = int(raw)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise ConfigError(f"{name}={raw!r}: not a step number; set it to a whole number >= 1 ({what}, 1-based), "
+                          f"or unset it")
+    return step
 
 
 def sync_debug_step() -> int | None:
-    """TUNELEDGER_SYNC_DEBUG's step (>= 1), or None: unset, empty, or not a step number."""
-    raw = value(SYNC_DEBUG)
-    return int(raw) if raw.isascii() and raw.isdigit() and int(raw) >= 1 else None
+    """TUNELEDGER_SYNC_DEBUG's step, None when unset or empty; raises ConfigError as step_number."""
+    return step_number(SYNC_DEBUG, "the optimizer step whose host-device syncs are warned of")
 
 
 def unknown() -> list[str]:
@@ -83,7 +95,7 @@ def unknown() -> list[str]:
     known name it is closest to: a misspelt A/B variable would otherwise leave both rows the same."""
     known = [*CHOICES, *OTHERS]
     out = []
-    for name in sorted(n for n in os.environ if n.startswith("TUNELEDGER_") and n not in known or _near_prefix(n)):
+    for name in sorted(n for n in os.environ if (n.startswith("TUNELEDGER_") and n not in known) or _near_prefix(n)):
         cut = len(name.split("_", 1)[0]) + 1  # compared without the prefix that every name shares
         near = difflib.get_close_matches(name[cut:], [k[len("TUNELEDGER_"):] for k in known], n=1, cutoff=0.6)
         out.append(f"warning: {name} is not a variable tuneledger reads, so it changes nothing"

@@ -5,27 +5,15 @@ steps is said, since the profiler's own bookkeeping slows it (profile.py)."""
 
 from __future__ import annotations
 
-import os
-
-from tuneledger.config import ConfigError
-
 ENV = "TUNELEDGER_PROFILE_STEP"
 
 
 def requested() -> int | None:
     """The optimizer step (1-based) that $TUNELEDGER_PROFILE_STEP asks to profile, None when unset
     or empty. Raises ConfigError for anything but a whole number >= 1."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        step = int(raw)
-    except ValueError:
-        step = 0
-    if step < 1:
-        raise ConfigError(f"{ENV}={raw!r}: not a step number; set it to a whole number >= 1 (the optimizer step "
-                          f"to profile, 1-based), or unset it")
-    return step
+    from tuneledger.env_levers import step_number
+
+    return step_number(ENV, "the optimizer step to profile")
 
 
 def notes(step: int | None, total_steps: int, warmup_steps: int | None = None) -> list[str]:
