@@ -1,6 +1,7 @@
 """train_mode.TrainWalk: Trainer.training_step's `model.train()` at every micro-batch without its
-walk over every module when all are training (5-10 ms of host time a micro-batch on a 7B with LoRA),
-and the real walk whenever any module is not."""
+walk over every module when all are training (23 ms of host time a micro-batch on a 7B with LoRA
+on a busy 2-core CPU: bench/results/cpu-2026-12-06-train-walk), and the real walk whenever any
+module is not."""
 
 from __future__ import annotations
 

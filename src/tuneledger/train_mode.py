@@ -1,8 +1,9 @@
 """Trainer.training_step calls `model.train()` at every micro-batch: a walk over every module
-(2,333 with LoRA on all seven projections of a 7B) that costs 5-10 ms of host time, while the GPU,
+(2,333 with LoRA on all seven projections of a 7B) that costs host time (23 ms on a busy 2-core
+CPU, bench/results/cpu-2026-12-06-train-walk; not measured on a GPU host), while the GPU,
 with nothing queued yet, waits at the start of each micro-batch (bench/results/h100-2026-12-06f-call2,
 profile-Cauto.md: 55 ms a step in 8 pauses before the embedding, preset C). Reading the `training`
-flags of a kept list of the modules costs about 0.2 ms, so `TrainWalk` calls the real `train()` only
+flags of a kept list of the modules costs 0.4 ms there, so `TrainWalk` calls the real `train()` only
 when a module has left training mode (an evaluation, a callback's `model.eval()`).
 
 Exact where it applies: every module's `train` must be one known to do nothing more than set the
