@@ -69,24 +69,11 @@ def check() -> None:
     sync_debug_step()
 
 
-def step_number(name: str, what: str) -> int | None:
-    """$name as an optimizer step (1-based), None when unset or empty. Raises ConfigError for
-    anything but a whole number >= 1, saying what the step is for (`what`)."""
-    raw = value(name)
-    if not raw:
-        return None
-    try:
-        step = int(raw)
-    except ValueError:
-        step = 0
-    if step < 1:
-        raise ConfigError(f"{name}={raw!r}: not a step number; set it to a whole number >= 1 ({what}, 1-based), "
-                          f"or unset it")
-    return step
-
-
 def sync_debug_step() -> int | None:
-    """TUNELEDGER_SYNC_DEBUG's step, None when unset or empty; raises ConfigError as step_number."""
+    """TUNELEDGER_SYNC_DEBUG's step, None when unset or empty; raises ConfigError as
+    profile_step.step_number."""
+    from tuneledger.profile_step import step_number
+
     return step_number(SYNC_DEBUG, "the optimizer step whose host-device syncs are warned of")
 
 

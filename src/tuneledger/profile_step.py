@@ -5,15 +5,33 @@ steps is said, since the profiler's own bookkeeping slows it (profile.py)."""
 
 from __future__ import annotations
 
+import os
+
+from tuneledger.config import ConfigError
+
 ENV = "TUNELEDGER_PROFILE_STEP"
 
 
 def requested() -> int | None:
     """The optimizer step (1-based) that $TUNELEDGER_PROFILE_STEP asks to profile, None when unset
     or empty. Raises ConfigError for anything but a whole number >= 1."""
-    from tuneledger.env_levers import step_number
-
     return step_number(ENV, "the optimizer step to profile")
+
+
+def step_number(name: str, what: str) -> int | None:
+    """$name as an optimizer step (1-based), None when unset or empty (TUNELEDGER_SYNC_DEBUG's too).
+    Raises ConfigError for anything but a whole number >= 1, saying what the step is for (`what`)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        step = int(raw)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise ConfigError(f"{name}={raw!r}: not a step number; set it to a whole number >= 1 ({what}, 1-based), "
+                          f"or unset it")
+    return step
 
 
 def notes(step: int | None, total_steps: int, warmup_steps: int | None = None) -> list[str]:
