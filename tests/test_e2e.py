@@ -214,7 +214,7 @@ def test_a_dry_run_whose_every_preset_fails_leaves_the_earlier_ledger(tmp_path, 
     failed = json.loads((tmp_path / "dry" / "dryrun.failed.json").read_text())["presets"]
     assert [r["preset"] for r in failed] == ["A"] and "s_per_step" not in failed[0], failed
     assert f"is left as it was with its log dryrun.log; this run's log is {tmp_path / 'dry' / 'dryrun.failed.log'}" \
-        in crashed.stdout and "; this run's rows are in" in crashed.stdout
+        in crashed.stdout and "\nthis run's rows are in" in crashed.stdout
     # The failed rows' "see .../dryrun.log" names this run's log where it went, not the kept one.
     text = (tmp_path / "dry" / "dryrun.failed.json").read_text()
     assert "dryrun.failed.log" in text and f"{tmp_path / 'dry' / 'dryrun.log'}\"" not in text

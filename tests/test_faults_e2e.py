@@ -22,6 +22,7 @@ import pytest
 
 import procs
 from tuneledger.checkpoints import problem
+from tuneledger.dryrun_keep import MARK
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each test trains (2 gloo ranks, often twice): minutes in all, so the slow tier (`make test-all`, CI).
@@ -305,7 +306,11 @@ def test_a_disk_that_fills_during_a_dryrun_preset_is_said_once_and_keeps_the_ear
     # What the first dry-run left is all there: its ledger, the preset's result, its log.
     assert (run / "dryrun.json").read_text() == ledger
     assert (run / "dryrun" / "A" / "result.json").read_text() == result
-    assert "step 1/" in (run / "dryrun.log.1").read_text()
+    # The ledger's log is back under the name the ledger gives (with its mark); this run's is beside it,
+    # as the output says before the rows' write meets the full disk.
+    assert f"{MARK}{json.loads(ledger)['date']}" in (run / "dryrun.log").read_text()
+    assert "step 1/" in (run / "dryrun.failed.log").read_text() and not (run / "dryrun.log.1").exists()
+    assert f"this run's log is {run / 'dryrun.failed.log'}" in out, out[-3000:]
 
 
 # -------------------------------------------------------------------------------- items 2, 5, 8

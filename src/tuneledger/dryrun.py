@@ -331,10 +331,11 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         text = json.dumps({"presets": rows}, indent=1, ensure_ascii=False, default=str)
         if moved:  # the rows' "see .../dryrun.log" now means this run's log where it went
             text = text.replace(json.dumps(str(log))[1:-1], json.dumps(str(moved))[1:-1])
-        write_text_atomic(failed, text)
         what = f"the disk filled during preset {full}" if full else "no preset was measured"
-        print(f"\n{what}; {out_root / 'dryrun.json'} is left as it was{kept_log_words(log, moved)}; this run's "
-              f"rows are in {failed}", flush=True)
+        # Said before the rows are written: on a full disk that write fails, and the logs have moved.
+        print(f"\n{what}; {out_root / 'dryrun.json'} is left as it was{kept_log_words(log, moved)}", flush=True)
+        write_text_atomic(failed, text)
+        print(f"this run's rows are in {failed}", flush=True)
         return rc
     if not nodes.first:
         print(f"node {nodes.node_rank}: {ledger.plural(len(done), 'preset')} ran; node 0 writes the ledger {out_root / 'dryrun.json'}")
