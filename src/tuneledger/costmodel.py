@@ -11,7 +11,8 @@ moved to other hardware by the quantity that bounds it. Seconds per micro-batch 
              P = trainable LoRA parameters
   matmul     F / (peak x e), e = the matmul efficiency a profile measured against the bf16 peak
              measured on that GPU (F_profile / (matmul kernel s x measured peak)); the target runs
-             at the same e of its datasheet dense bf16 peak
+             at the same e of its own measured peak (target_peak: its entry's bf16_tflops_measured,
+             else its datasheet peak x the share of the datasheet the ledger's GPU reached)
   attention  p x u x a: u = 3 token-units (forward 1, backward 2), 4 with recompute; a = the
              profile's attention kernel s per processed token-unit; x BW_src / BW_tgt
   other      the same for the profile's elementwise, fused Triton and other kernels (memory-bound)
@@ -34,7 +35,11 @@ Per step: ga x micro + all-reduce + sync wait + optimizer + data wait.
               sd / mean of sample lengths, f = the share of micro-batches that are GPU-bound,
               P(GPU time > host time) with the GPU time normal around its mean: a host-bound
               micro-batch's time is set by its launches, not its lengths
-  optimizer   measured x BW_src / BW_tgt;  data wait  measured (the host's dataloader)
+  optimizer   the measured optimizer time split into its kernels (the profile's optimizer kernels
+              per trainable parameter, x P, x BW_profile / BW) and the rest, host time between them
+              (/ host_speed on the target): on the H200 the kernels are 3.4 of ~10 ms, so scaling the
+              whole by bandwidth would price host time as memory traffic; without a profiled optimizer
+              row, measured x BW_src / BW_tgt.  data wait  measured (the host's dataloader)
 
 Memory per GPU (bytes): static = N4 x q + 2 x (base - N4) + 16 x P, q = 0.5 + 1/64 + 4/(64 x 256)
 (NF4 with double quantization: an 8-bit absmax per 64 weights, an fp32 one per 256 of those) or
@@ -117,6 +122,7 @@ def rates(prof: dict) -> dict:
             "attention_s_per_unit": cat.get("attention", 0.0) / (p * units),
             "other_s_per_unit": sum(cat.get(k, 0.0) for k in OTHER_CATEGORIES) / (p * units),
             "dequant_eff": (2.5 * pr["N4"] / dq_pass / (prof["memory_gbs"] * 1e9)) if dq_pass else 1.0,
+            "optimizer_s_per_param": cat.get("optimizer", 0.0) / pr["P"] if pr["P"] else 0.0,
             "launches_per_micro": prof["launches"] / n_micro / (units / 3), "N": pr["N"], "peak_tflops": prof["peak_tflops_measured"], "profile_gbs": prof["memory_gbs"],
             "where": prof.get("where", "")}
 
@@ -225,11 +231,37 @@ def memory(src: dict, p_tgt: float, quant: str | None, double_quant: bool) -> di
             "total": sum(static.values()) + act}
 
 
+def target_peak(src_peak: float, src_hw, hw) -> tuple[float, str]:
+    """The target's bf16 matmul peak (TFLOP/s) and where it comes from. The same kind as the ledger's
+    GPU: the ledger's own measurement (a GPU predicts itself). Else the entry's measured figure
+    (`bf16_tflops_measured`, a large square torch matmul, as the dry-run's probe). Else the datasheet
+    peak x the share of its datasheet the ledger's GPU reached (src_peak / src_hw.bf16_tflops): that
+    share holds for data-centre cards (0.79 on the H200), not for GeForce cards that boost past
+    their datasheet clock (an RTX 4090 reaches 0.97-1.05 of 165.2)."""
+    if hw.name.lower() == src_hw.name.lower():
+        return src_peak, "measured in the ledger"
+    if hw.bf16_tflops_measured:
+        return hw.bf16_tflops_measured, f"measured ({hw.name}'s entry: bf16_tflops_measured)"
+    share = src_peak / src_hw.bf16_tflops
+    return hw.bf16_tflops * share, f"datasheet {hw.bf16_tflops:g} x {share:.1%}, the share the ledger's GPU reached"
+
+
+def optimizer_s(measured: float, r: dict, P: float, src_gbs: float, hw) -> float:
+    """The optimizer step on the target (module doc): `measured` s on the ledger's GPU of `src_gbs`
+    GB/s, its kernels from the profile's rate r["optimizer_s_per_param"] (s per trainable parameter
+    on a GPU of r["profile_gbs"]) x P, the rest host time / hw.host_speed. The same GPU and host
+    give `measured` back."""
+    per = r.get("optimizer_s_per_param") or 0.0
+    kernels = per * P * r["profile_gbs"] / src_gbs
+    if not per or measured <= kernels:  # nothing left for the host: all of it moves with the bandwidth
+        return measured * src_gbs / hw.memory_gbs
+    return (measured - kernels) / hw.host_speed + per * P * r["profile_gbs"] / hw.memory_gbs
+
+
 def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str | None = "nf4",
             double_quant: bool = True) -> dict:
     """One measured row (analyze()) on n GPUs of `hw` (hwtable.Hardware); src_hw is the measured GPU's
-    entry. The target's matmul peak is its datasheet peak x the share of the datasheet the measured
-    GPU's own 8192^3 benchmark reached (so the same GPU predicts itself). Returns the shape, every
+    entry. The target's matmul peak is target_peak's (so the same GPU predicts itself). Returns the shape, every
     part (s), s/step, tokens/s, memory (bytes) and whether it fits. Raises ValueError when the global
     batch does not divide into micro-batch x GPUs."""
     G, pr, r = src["G"], src["params"], src["rates"]
@@ -237,12 +269,12 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     if G % (mb * n):
         raise ValueError(f"global batch {G} is not a multiple of micro-batch {mb} x {n} GPU{'s' if n != 1 else ''}")
     ga = G // (mb * n)
-    share = src["peak_measured"] / src_hw.bf16_tflops
+    peak, _ = target_peak(src["peak_measured"], src_hw, hw)
     t = src["tokens_real"] / src["micro_batch"] * mb
     p = t * pad_factor(mb, src["packing"], src["length"])
     ratio = p / src["tokens_processed"]
     bw = src["src_gbs"] / hw.memory_gbs
-    gpu = {"matmul": src["gpu"]["matmul"] * ratio * src["peak_measured"] / (hw.bf16_tflops * share),
+    gpu = {"matmul": src["gpu"]["matmul"] * ratio * src["peak_measured"] / peak,
            "attention": src["gpu"]["attention"] * ratio * bw, "other": src["gpu"]["other"] * ratio * bw,
            "dequant": src["gpu"]["dequant"] * bw}
     g = sum(gpu.values())
@@ -260,7 +292,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     sync = expected_max(n) * paced * sd_micro * math.sqrt(ga)
     over = src["overheads"]
     step = {"micro_batches": ga * micro, "allreduce": ar["s"], "sync_wait": sync,
-            "optimizer": over["optimizer_s"] * bw, "data_wait": over["data_wait_s"]}
+            "optimizer": optimizer_s(over["optimizer_s"], r, pr["P"], src["src_gbs"], hw), "data_wait": over["data_wait_s"]}
     s_step = sum(step.values())
     tokens_step = src["row"]["tokens_per_step"]
     mem = memory(src, p, quant, double_quant)
@@ -269,7 +301,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
             "host_s": host, "launches": src["launches"], "launch_cost_s": cost, "micro_s": micro,
             "bound": "GPU" if gpu_bound else "host", "gpu_bound_share": paced, "allreduce": ar, "step": step, "s_per_step": s_step,
             "tokens_per_s": tokens_step / s_step, "tokens_per_s_per_gpu": tokens_step / s_step / n,
-            "matmul_tflops": hw.bf16_tflops * share * r["e"], "memory": mem,
+            "matmul_tflops": peak * r["e"], "peak_tflops": peak, "memory": mem,
             "fits": mem["total"] <= hw.usable_gib * GIB, "usable_gib": hw.usable_gib}
 
 

@@ -38,6 +38,11 @@ FIELDS = {
     "link_latency_us": ("latency per ring hop, µs", -1e-9),
     "host_speed": ("host speed per kernel launch relative to the measured machine (1.0: as fast)", 0.0),
 }
+# Optional fields: (meaning, lower bound exclusive); absent is None.
+OPTIONAL = {
+    "bf16_tflops_measured": ("bf16 TFLOP/s a large square torch matmul reaches on this GPU, measured (the dry-run's "
+                             "own 8192^3 probe); absent: the datasheet's x the share the ledger's GPU reached", 0.0),
+}
 YAML_FORM = """\
   name: my-gpu            # a short name
   gpu: NVIDIA L40S        # as nvidia-smi names it
@@ -50,6 +55,7 @@ YAML_FORM = """\
   allreduce_efficiency: 0.5   # share of link_gbs a ring all-reduce reaches
   link_latency_us: 20     # per hop
   host_speed: 1.0         # per-launch host speed vs the machine the ledger measured
+  bf16_tflops_measured: 330   # optional: a measured bf16 matmul rate (else datasheet x the ledger GPU's share)
   source: {bf16_tflops: "datasheet ...", ...}   # where each figure comes from"""
 
 
@@ -71,6 +77,7 @@ class Hardware:
     allreduce_efficiency: float
     link_latency_us: float
     host_speed: float
+    bf16_tflops_measured: float | None = None
     match: tuple[str, ...] = ()
     source: dict = field(default_factory=dict)
     where: str = ""
@@ -111,12 +118,14 @@ def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | Non
         raise WhatifError(f"{path}: a hardware file is a mapping of fields; the form is:\n{YAML_FORM}")
     lines = _lines(text)
     at = lambda k: f"{path}:{lines[k]}" if k in lines else str(path)  # noqa: E731
-    known = set(FIELDS) | {"count", "match", "source"}
+    known = set(FIELDS) | set(OPTIONAL) | {"count", "match", "source"}
     for k in data:
         if k not in known:
             raise WhatifError(f"{at(k)}: unknown field {k!r}; the fields are {', '.join(sorted(known))}")
     values = {}
-    for k, (meaning, low) in FIELDS.items():
+    for k, (meaning, low) in (FIELDS | OPTIONAL).items():
+        if k in OPTIONAL and data.get(k) is None:
+            continue
         if k not in data or data[k] is None:
             raise WhatifError(f"{path}: missing field {k} ({meaning}); the form is:\n{YAML_FORM}")
         v = data[k]

@@ -331,12 +331,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"whatif: preset {name} left out: {why}", file=sys.stderr)
     r, src_hw = c["rates"], c["src_hw"]
     share = sources[0]["peak_measured"] / src_hw.bf16_tflops
+    peak, peak_from = cm.target_peak(sources[0]["peak_measured"], src_hw, hw)
     print(f"whatif: {path}, measured on {led.get('world_size')} x {led['gpu']} ({led.get('date', '?')[:10]}"
           f"{', SYNTHETIC model' if led.get('synthetic') else ''})")
     print(f"  -> {n} x {hw.gpu} ({hw.name}: {hw.bf16_tflops:g} TFLOP/s dense bf16, {hw.memory_gb:g} GB, {hw.memory_gbs:,.0f} GB/s; "
           f"{hw.link}, {hw.link_gbs:g} GB/s x {hw.allreduce_efficiency:g}; figures and sources: {hw.where})")
     print(f"kernel split: {r['where']}; matmul at {r['e']:.1%} of the measured bf16 peak, {share:.1%} of the datasheet's "
-          f"on the measured GPU, so {r['e'] * share:.1%} of the datasheet's on the target")
+          f"on the measured GPU; on the target {r['e']:.1%} of {peak:.1f} TFLOP/s ({peak_from})")
     hb = [s["preset"] for s in sources if s["host_bound"]]
     if c["launch_cost_s"]:
         print(f"host: {c['launch_cost_s'] * 1e6:.1f} µs per kernel launch (median of this ledger's host-bound presets "
