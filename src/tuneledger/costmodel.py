@@ -11,8 +11,8 @@ moved to other hardware by the quantity that bounds it. Seconds per micro-batch 
              P = trainable LoRA parameters
   matmul     F / (peak x e), e = the matmul efficiency a profile measured against the bf16 peak
              measured on that GPU (F_profile / (matmul kernel s x measured peak)); the target runs
-             at the same e of its own measured peak (target_peak: its entry's bf16_tflops_measured,
-             else its datasheet peak x the share of the datasheet the ledger's GPU reached)
+             at the same e of its peak: the ledger's measured peak x the ratio of the two GPUs'
+             measured bf16 rates (target_peak; the datasheet ratio where a figure is missing)
   attention  p x u x a: u = 3 token-units (forward 1, backward 2), 4 with recompute; a = the
              profile's attention kernel s per processed token-unit; x BW_src / BW_tgt
   other      the same for the profile's elementwise, fused Triton and other kernels (memory-bound)
@@ -34,7 +34,9 @@ Per step: ga x micro + all-reduce + sync wait + optimizer + data wait.
               v = the token-proportional GPU time of a micro-batch (matmul, attention, other), cv =
               sd / mean of sample lengths, f = the share of micro-batches that are GPU-bound,
               P(GPU time > host time) with the GPU time normal around its mean: a host-bound
-              micro-batch's time is set by its launches, not its lengths
+              micro-batch's time is set by its launches, not its lengths; + the ledger's measured
+              wait less the model's for its own GPUs (none measured with accumulation 1 on several
+              ranks: it is inside the micro-batch, so the model's is taken off)
   optimizer   the measured optimizer time split into its kernels (the profile's optimizer kernels
               per trainable parameter, x P, x BW_profile / BW) and the rest, host time between them
               (/ host_speed on the target): on the H200 the kernels are 3.4 of ~10 ms, so scaling the
@@ -187,7 +189,8 @@ def analyze(led: dict, row: dict, r: dict, src_gbs: float) -> dict:
     return {"preset": row["preset"], "micro_batch": mb, "ga": n_micro, "world": led.get("world_size", 1), "G": G,
             "gc": gc, "packing": packing, "tokens_real": t, "tokens_processed": p, "length": length, "params": pr,
             "rates": r, "gpu": parts, "compute_micro_s": compute, "host_bound": hb, "launches": launches,
-            "host_s": compute if hb else None, "overheads": over, "calibration": calib,
+            "host_s": compute if hb else None, "overheads": over, "sync_measured": row["split"].get("sync_wait_s"),
+            "calibration": calib,
             "util_pct": (row.get("gpu_window") or {}).get("util_mean_pct"), "src_gbs": src_gbs,
             "peak_measured": peak_meas, "row": row}
 
@@ -232,18 +235,33 @@ def memory(src: dict, p_tgt: float, quant: str | None, double_quant: bool) -> di
 
 
 def target_peak(src_peak: float, src_hw, hw) -> tuple[float, str]:
-    """The target's bf16 matmul peak (TFLOP/s) and where it comes from. The same kind as the ledger's
-    GPU: the ledger's own measurement (a GPU predicts itself). Else the entry's measured figure
-    (`bf16_tflops_measured`, a large square torch matmul, as the dry-run's probe). Else the datasheet
-    peak x the share of its datasheet the ledger's GPU reached (src_peak / src_hw.bf16_tflops): that
-    share holds for data-centre cards (0.79 on the H200), not for GeForce cards that boost past
-    their datasheet clock (an RTX 4090 reaches 0.97-1.05 of 165.2)."""
-    if hw.name.lower() == src_hw.name.lower():
-        return src_peak, "measured in the ledger"
+    """The target's bf16 matmul peak (TFLOP/s) and, in words, how it was reached: the peak the
+    ledger measured on its GPU (src_peak) x the ratio of the two entries' figures. Both entries have
+    `bf16_tflops_measured` (public records of one torch.mm benchmark): their ratio, so the ledger's
+    own conditions carry over and the same GPU predicts itself. Only the target has one: that
+    figure. Else the datasheet ratio bf16_tflops / src_hw.bf16_tflops: a data-centre card reaches
+    79-85% of its datasheet like the H200, a GeForce card boosts past its own (an RTX 4090 reaches
+    0.98-1.05 of 165.2), which is why the measured figures come first."""
+    if hw.bf16_tflops_measured and src_hw.bf16_tflops_measured:
+        ratio = hw.bf16_tflops_measured / src_hw.bf16_tflops_measured
+        return src_peak * ratio, (f"the ledger's {src_peak:.1f} x {hw.bf16_tflops_measured:g} / {src_hw.bf16_tflops_measured:g}, "
+                                  f"the entries' measured bf16 rates ({hw.name}, {src_hw.name})")
     if hw.bf16_tflops_measured:
-        return hw.bf16_tflops_measured, f"measured ({hw.name}'s entry: bf16_tflops_measured)"
-    share = src_peak / src_hw.bf16_tflops
-    return hw.bf16_tflops * share, f"datasheet {hw.bf16_tflops:g} x {share:.1%}, the share the ledger's GPU reached"
+        return hw.bf16_tflops_measured, f"{hw.name}'s measured bf16 rate (its entry's bf16_tflops_measured)"
+    ratio = hw.bf16_tflops / src_hw.bf16_tflops
+    return src_peak * ratio, (f"the ledger's {src_peak:.1f} x {hw.bf16_tflops:g} / {src_hw.bf16_tflops:g}, the datasheet "
+                              f"peaks ({hw.name} has no bf16_tflops_measured)")
+
+
+def sync_wait(n: int, gpu: dict, host: float | None, cv: float, mb: int, ga: int) -> tuple[float, float]:
+    """The wait for the slowest of n ranks per step (module doc) and the share of micro-batches the
+    GPU paces: gpu = a micro-batch's GPU parts (s), host = its host time (None: unknown, GPU-paced),
+    cv = sd / mean of sample lengths. Only micro-batches the GPU sets the pace of vary with their
+    lengths: the share whose GPU time (normal around its mean) exceeds the host's."""
+    g = sum(gpu.values())
+    sd_micro = (gpu["matmul"] + gpu["attention"] + gpu["other"]) * cv / math.sqrt(mb)
+    paced = 1.0 if host is None else statistics.NormalDist().cdf((g - host) / sd_micro) if sd_micro else float(g >= host)
+    return expected_max(n) * paced * sd_micro * math.sqrt(ga), paced
 
 
 def optimizer_s(measured: float, r: dict, P: float, src_gbs: float, hw) -> float:
@@ -269,7 +287,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     if G % (mb * n):
         raise ValueError(f"global batch {G} is not a multiple of micro-batch {mb} x {n} GPU{'s' if n != 1 else ''}")
     ga = G // (mb * n)
-    peak, _ = target_peak(src["peak_measured"], src_hw, hw)
+    peak, peak_from = target_peak(src["peak_measured"], src_hw, hw)
     t = src["tokens_real"] / src["micro_batch"] * mb
     p = t * pad_factor(mb, src["packing"], src["length"])
     ratio = p / src["tokens_processed"]
@@ -284,12 +302,14 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     ar = allreduce_s(n, 4.0 * pr["P"], hw.link_gbs, hw.allreduce_efficiency, hw.link_latency_us)
     gpu_bound = host is None or g >= host
     cv = length_sd(src["length"]) / src["length"]["mean"] if src["length"].get("mean") else 0.0
-    v = gpu["matmul"] + gpu["attention"] + gpu["other"]
-    sd_micro = v * cv / math.sqrt(mb)
-    # Only micro-batches the GPU sets the pace of vary with their lengths: the share of them whose GPU
-    # time (normal around g, sd_micro) exceeds the host's.
-    paced = 1.0 if host is None else statistics.NormalDist().cdf((g - host) / sd_micro) if sd_micro else float(g >= host)
-    sync = expected_max(n) * paced * sd_micro * math.sqrt(ga)
+    sync_model, paced = sync_wait(n, gpu, host, cv, mb, ga)
+    # What the ledger measured beyond the model on its own GPUs carries over (a GPU predicts itself):
+    # a measured wait less the model's there; with accumulation 1 on several ranks the wait is inside
+    # the measured micro-batch (None), so the model's wait there is taken off.
+    src_host = src["host_s"] if src["host_bound"] else None
+    src_model, _ = sync_wait(src["world"], src["gpu"], src_host, cv, src["micro_batch"], src["ga"])
+    measured = src["sync_measured"]
+    sync = max(0.0, sync_model + (measured if measured is not None else 0.0) - src_model)
     over = src["overheads"]
     step = {"micro_batches": ga * micro, "allreduce": ar["s"], "sync_wait": sync,
             "optimizer": optimizer_s(over["optimizer_s"], r, pr["P"], src["src_gbs"], hw), "data_wait": over["data_wait_s"]}
@@ -301,7 +321,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
             "host_s": host, "launches": src["launches"], "launch_cost_s": cost, "micro_s": micro,
             "bound": "GPU" if gpu_bound else "host", "gpu_bound_share": paced, "allreduce": ar, "step": step, "s_per_step": s_step,
             "tokens_per_s": tokens_step / s_step, "tokens_per_s_per_gpu": tokens_step / s_step / n,
-            "matmul_tflops": peak * r["e"], "peak_tflops": peak, "memory": mem,
+            "matmul_tflops": peak * r["e"], "peak_tflops": peak, "peak_from": peak_from, "memory": mem,
             "fits": mem["total"] <= hw.usable_gib * GIB, "usable_gib": hw.usable_gib}
 
 

@@ -40,8 +40,8 @@ FIELDS = {
 }
 # Optional fields: (meaning, lower bound exclusive); absent is None.
 OPTIONAL = {
-    "bf16_tflops_measured": ("bf16 TFLOP/s a large square torch matmul reaches on this GPU, measured (the dry-run's "
-                             "own 8192^3 probe); absent: the datasheet's x the share the ledger's GPU reached", 0.0),
+    "bf16_tflops_measured": ("bf16 TFLOP/s a large square torch.mm reaches on this GPU, measured (public records or the "
+                             "dry-run's 8192^3 probe; at most 1.25x bf16_tflops); absent: the datasheet peaks' ratio", 0.0),
 }
 YAML_FORM = """\
   name: my-gpu            # a short name
@@ -141,6 +141,10 @@ def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | Non
                 raise WhatifError(f"{at(k)}: {k}: {data[k]!r} is not a finite number {bound} ({meaning})")
             v = float(v)
         values[k] = str(v) if low is None else v
+    measured = values.get("bf16_tflops_measured")
+    if measured and measured > 1.25 * values["bf16_tflops"]:  # a GeForce card's boost reaches ~1.05x
+        raise WhatifError(f"{at('bf16_tflops_measured')}: bf16_tflops_measured: {data['bf16_tflops_measured']!r} is over "
+                          f"1.25x bf16_tflops ({values['bf16_tflops']:g}): a sparsity or fp8 figure, or a typo?")
     if values["memory_gb"] <= 1.0:
         raise WhatifError(f"{at('memory_gb')}: memory_gb: {data['memory_gb']!r} leaves no memory for a job: 1 GiB of a "
                           "card is kept for CUDA's context (usable = memory_gb - 1)")

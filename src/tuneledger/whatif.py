@@ -318,6 +318,17 @@ def prepare(args: argparse.Namespace) -> dict:
             "against": other}
 
 
+def peak_rule(src_hw, hw) -> str:
+    """How the target's matmul peak follows from each row's measured one (costmodel.target_peak), in words."""
+    if hw.bf16_tflops_measured and src_hw.bf16_tflops_measured:
+        return (f"the row's measured peak x {hw.bf16_tflops_measured:g} / {src_hw.bf16_tflops_measured:g} "
+                f"({hw.name} / {src_hw.name}, measured bf16 rates: bf16_tflops_measured)")
+    if hw.bf16_tflops_measured:
+        return f"{hw.bf16_tflops_measured:g} TFLOP/s, {hw.name}'s measured bf16 rate"
+    return (f"the row's measured peak x {hw.bf16_tflops:g} / {src_hw.bf16_tflops:g} (datasheet peaks; "
+            f"{hw.name} has no bf16_tflops_measured)")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         c = prepare(args)
@@ -331,13 +342,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"whatif: preset {name} left out: {why}", file=sys.stderr)
     r, src_hw = c["rates"], c["src_hw"]
     share = sources[0]["peak_measured"] / src_hw.bf16_tflops
-    peak, peak_from = cm.target_peak(sources[0]["peak_measured"], src_hw, hw)
     print(f"whatif: {path}, measured on {led.get('world_size')} x {led['gpu']} ({led.get('date', '?')[:10]}"
           f"{', SYNTHETIC model' if led.get('synthetic') else ''})")
     print(f"  -> {n} x {hw.gpu} ({hw.name}: {hw.bf16_tflops:g} TFLOP/s dense bf16, {hw.memory_gb:g} GB, {hw.memory_gbs:,.0f} GB/s; "
           f"{hw.link}, {hw.link_gbs:g} GB/s x {hw.allreduce_efficiency:g}; figures and sources: {hw.where})")
     print(f"kernel split: {r['where']}; matmul at {r['e']:.1%} of the measured bf16 peak, {share:.1%} of the datasheet's "
-          f"on the measured GPU; on the target {r['e']:.1%} of {peak:.1f} TFLOP/s ({peak_from})")
+          f"on the measured GPU; on the target {r['e']:.1%} of each preset's peak: {peak_rule(src_hw, hw)}")
     hb = [s["preset"] for s in sources if s["host_bound"]]
     if c["launch_cost_s"]:
         print(f"host: {c['launch_cost_s'] * 1e6:.1f} µs per kernel launch (median of this ledger's host-bound presets "
