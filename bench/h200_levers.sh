@@ -108,13 +108,16 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     cgraph) o="$AUTO";;  # A/B: compiled layers as CUDA graphs, padded rows bucketed to 64 tokens (TUNELEDGER_CUDAGRAPHS=1; padded presets)
     walk) o="$AUTO";;  # A/B: Trainer's model.train() walking every module at every micro-batch (TUNELEDGER_TRAIN_WALK=every)
     ligerbwd) o="$AUTO";;  # A/B: Liger's own fused cross-entropy backward, its torch.equal check and 2 host syncs a micro-batch (TUNELEDGER_LIGER_BACKWARD=liger)
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk>, unsloth, hf)"; return 1;;
+    dicttags) o="$AUTO";;  # A/B: Dynamo's guards by recursive dict tags (TUNELEDGER_GUARDS=dict-tags)
+    noguard) o="$AUTO";;  # A/B: no guards on module attributes, unsafe (TUNELEDGER_GUARDS=skip-modules)
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk|dicttags|noguard>, unsloth, hf)"; return 1;;
   esac
   # Dauto and Cauto warn at every host-device sync of their last warm-up step, with the stack (probes.SyncDebug):
   # a warm-up step, so the warnings never slow a measured one.
   e=""; case $r in Dauto|Cauto) e="TUNELEDGER_SYNC_DEBUG=$WARMUP";; esac
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
-  case ${r:1} in graphdq|fastgraph) e="TUNELEDGER_DEQUANT=graph";; cudnn) e="TUNELEDGER_CUDNN_SDPA=1";; copy) e="TUNELEDGER_ADDMM=copy";; ligerbwd) e="TUNELEDGER_LIGER_BACKWARD=liger";; cgraph) e="TUNELEDGER_CUDAGRAPHS=1";; walk) e="TUNELEDGER_TRAIN_WALK=every";; esac
+  case ${r:1} in graphdq|fastgraph) e="TUNELEDGER_DEQUANT=graph";; cudnn) e="TUNELEDGER_CUDNN_SDPA=1";; copy) e="TUNELEDGER_ADDMM=copy";; ligerbwd) e="TUNELEDGER_LIGER_BACKWARD=liger";; cgraph) e="TUNELEDGER_CUDAGRAPHS=1";; walk) e="TUNELEDGER_TRAIN_WALK=every";;
+    dicttags) e="TUNELEDGER_GUARDS=dict-tags";; noguard) e="TUNELEDGER_GUARDS=skip-modules";; esac
   return 0
 }
 for r in $RUNS; do

@@ -72,10 +72,13 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
     functorch_config.cse = False
     mode = "reduce-overhead" if cudagraphs_wanted() and device_type == "cuda" else None
     _GRAPHS[0] = mode is not None
+    options, guards = guard_options(_dynamo.config)
+    if options and mode:  # torch.compile takes a mode or options, not both: reduce-overhead is this option
+        options, mode = {**options, "triton.cudagraphs": True}, None
     for layer in layers:
         if checkpoint:
             checkpoint_inside(layer)
-        layer.compile(dynamic=None, mode=mode)
+        layer.compile(dynamic=None, mode=mode, options=options)
     import torch._inductor.config as inductor_config
 
     if cpp_wrapper:  # read when a layer first compiles (its first call), so setting it here is in time
@@ -94,8 +97,38 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
 
         dequant = (", NF4 dequantized in the graph" if dequant_in_graph() else
                    ", our Triton NF4 dequantize op" if nf4_kernel.is_on() else ", bitsandbytes' dequantize ops")
-    graphs = f", CUDA graphs (TUNELEDGER_CUDAGRAPHS=1, rows padded to a multiple of {CUDAGRAPH_BUCKET})" if mode else ""
-    return f"on ({len(layers)} decoder layers, regional{wrapper}{dequant}{inside}{graphs})"
+    graphs = (f", CUDA graphs (TUNELEDGER_CUDAGRAPHS=1, rows padded to a multiple of {CUDAGRAPH_BUCKET})"
+              if _GRAPHS[0] else "")
+    return f"on ({len(layers)} decoder layers, regional{wrapper}{dequant}{inside}{graphs}{guards})"
+
+
+# A/B, not measured yet (make bench's *dicttags and *noguard rows): TorchDynamo's cache lookup, the
+# guards run before each compiled layer's call, took 34 ms of host time in the 224 layer calls of a
+# step of preset C on an H100 (bench/results/h100-2026-12-06f-call2/profile-Cauto.md), while the GPU
+# waited for the host 233 ms a step. torch's knobs for it (its docs: "Reducing Guard Overhead"):
+#   dict-tags     torch._dynamo.config.use_recursive_dict_tags_for_guards: the guards of a nested
+#                 module are skipped while its __dict__ is untouched (sound; off by default in torch
+#                 for concerns raised in its issues);
+#   skip-modules  guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe: no guards on
+#                 module attributes, unsound if one changes after compiling. Training and evaluation
+#                 stay apart by grad mode, a global-state guard that is kept (evaluation runs under
+#                 torch.no_grad), not by `training`.
+def guard_options(dynamo_config: Any) -> tuple[dict | None, str]:
+    """What TUNELEDGER_GUARDS asks of the layers' compile: (torch.compile options or None, the
+    clause for the ledger's line). dict-tags is set on `dynamo_config` here. A knob this torch lacks
+    changes nothing and the clause says so."""
+    lever = env_levers.value("TUNELEDGER_GUARDS")
+    if lever == "dict-tags":
+        if not hasattr(dynamo_config, "use_recursive_dict_tags_for_guards"):
+            return None, f", TUNELEDGER_GUARDS=dict-tags: no effect (torch {torch.__version__} has no such config)"
+        dynamo_config.use_recursive_dict_tags_for_guards = True
+        return None, ", guards by recursive dict tags (TUNELEDGER_GUARDS=dict-tags)"
+    if lever == "skip-modules":
+        skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+        if skip is None:
+            return None, f", TUNELEDGER_GUARDS=skip-modules: no effect (torch {torch.__version__} has no guard filters)"
+        return {"guard_filter_fn": skip}, ", no guards on module attributes (TUNELEDGER_GUARDS=skip-modules, unsafe)"
+    return None, ""
 
 
 # A/B, not measured yet (make bench's *cgraph rows): the compiled layers replayed as CUDA graphs
