@@ -205,6 +205,16 @@ def test_a_gpu_predicts_its_own_ledger_exactly():
     assert {k: p[k]["s_per_step"] for k in "ABCD"} == pytest.approx({k: measured[k]["s_per_step"] for k in "ABCD"}, rel=1e-3)
     b = predictions(ROOT / "bench/results/whatif-2026-12-07/tune-cand2-B-dryrun.json", "1xH200-sxm")["B"]
     assert b["s_per_step"] == pytest.approx(1.969, abs=1e-3)  # its one rank's 0.026 s "sync wait" kept
+    assert b["bound"] == "host" and b["host_s"] == pytest.approx(0.239, abs=1e-3)  # GPU busy 82%: the host floor
+
+
+def test_a_gpu_bound_rows_idle_share_is_host_time_not_memory_traffic():
+    """The December B ran at 82% GPU busy on the H200: only that share of its micro-batch is priced
+    as GPU work (so its unexplained part is 0.008 s, not 0.051 s scaled x 4.8 on a 4090); the whole
+    measured micro-batch bounds the host."""
+    b = predictions(ROOT / "bench/results/whatif-2026-12-07/tune-cand2-B-dryrun.json", "8x4090-pcie")["B"]
+    assert b["bound"] == "GPU" and b["host_floor_s"] == pytest.approx(0.239, abs=1e-3)
+    assert b["gpu"]["other"] == pytest.approx(0.138, abs=2e-3) and b["s_per_step"] == pytest.approx(1.292, abs=2e-3)
 
 
 def test_a_measured_rate_over_the_datasheet_is_refused(tmp_path):
@@ -223,7 +233,7 @@ def test_1_to_2_h200_predicts_the_committed_2_gpu_ledger():
     measured = {r["preset"]: r for r in json.loads((SCALING / "dryrun-2gpu.json").read_text())["presets"]}
     errors = {k: err(p[k]["s_per_step"], measured[k]["s_per_step"]) for k in "ABCD"}
     assert abs(errors["D"]) < 0.10
-    assert errors == pytest.approx({"A": -0.151, "B": -0.193, "C": 0.089, "D": -0.016}, abs=0.005)
+    assert errors == pytest.approx({"A": -0.151, "B": -0.193, "C": 0.089, "D": -0.020}, abs=0.005)
     assert p["D"]["micro_batch"] == 8 and p["D"]["ga"] == 1
     mem = {k: max(m["peak_allocated"] for m in measured[k]["memory_mib"]) * 2**20 for k in "ABCD"}
     assert all(abs(err(p[k]["memory"]["total"], mem[k])) < 0.07 for k in "ABCD")
@@ -325,7 +335,7 @@ def test_a_preset_that_does_not_fit_names_the_one_that_would(tmp_path):
     assert "preset C does not fit 8 x NVIDIA GeForce RTX 4090: 28.0 GiB per GPU against 23 GiB usable" in r.stdout
     assert "would fit" in r.stdout and "DOES NOT FIT" in r.stdout
     # the fastest that fits is borderline (D, 23.0 of 23 GiB): the fastest with memory to spare is named too
-    assert "preset D would fit (23.0 GiB, 1.207 s/step, borderline); with room: preset B (11.7 GiB, 1.244 s/step)" in r.stdout
+    assert "preset D would fit (23.0 GiB, 1.104 s/step, borderline); with room: preset B (11.7 GiB, 1.244 s/step)" in r.stdout
     assert json.loads(out.read_text())["predictions"][0]["fits"] is False
     r = tuneledger(str(SCALING / "dryrun-1gpu.json"), "--gpus", "8x4090-pcie", "--preset", "A", "--steps", "17377",
                    "--save-steps", "200")

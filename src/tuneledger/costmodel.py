@@ -174,9 +174,14 @@ def analyze(led: dict, row: dict, r: dict, src_gbs: float) -> dict:
     launches = r["launches_per_micro"] * (4 / 3 if gc else 1)
     hb = host_bound(row)
     modeled = sum(parts.values())
-    calib = None
-    if not hb:  # the GPU set the pace: its measured time is the GPU's
-        rest = compute - parts["matmul"]
+    calib = host_floor = None
+    if not hb:  # the GPU set the pace: its busy share of the measured time is the GPU's
+        util = (row.get("gpu_window") or {}).get("util_mean_pct")
+        busy = min(1.0, max(0.0, util / 100)) if util is not None else 1.0
+        if busy < 1.0:  # the idle rest waited on the host, which took the whole micro-batch at most
+            host_floor = compute
+        gpu_time = compute * busy
+        rest = gpu_time - parts["matmul"]
         mem = modeled - parts["matmul"]
         if rest >= mem:
             parts["other"] += rest - mem
@@ -184,12 +189,12 @@ def analyze(led: dict, row: dict, r: dict, src_gbs: float) -> dict:
             f = max(rest, 0.0) / mem if mem else 0.0
             parts = {k: (v if k == "matmul" else v * f) for k, v in parts.items()}
             if rest < 0:
-                parts = {k: v * compute / parts["matmul"] if k == "matmul" else 0.0 for k, v in parts.items()}
-        calib = compute / modeled if modeled else None
+                parts = {k: v * gpu_time / parts["matmul"] if k == "matmul" else 0.0 for k, v in parts.items()}
+        calib = gpu_time / modeled if modeled else None
     return {"preset": row["preset"], "micro_batch": mb, "ga": n_micro, "world": led.get("world_size", 1), "G": G,
             "gc": gc, "packing": packing, "tokens_real": t, "tokens_processed": p, "length": length, "params": pr,
             "rates": r, "gpu": parts, "compute_micro_s": compute, "host_bound": hb, "launches": launches,
-            "host_s": compute if hb else None, "overheads": over, "sync_measured": row["split"].get("sync_wait_s"),
+            "host_s": compute if hb else None, "host_floor_s": host_floor, "overheads": over, "sync_measured": row["split"].get("sync_wait_s"),
             "calibration": calib,
             "util_pct": (row.get("gpu_window") or {}).get("util_mean_pct"), "src_gbs": src_gbs,
             "peak_measured": peak_meas, "row": row}
@@ -297,16 +302,21 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
            "dequant": src["gpu"]["dequant"] * bw}
     g = sum(gpu.values())
     cost = (src["host_s"] / src["launches"]) if src["host_bound"] else launch_cost
-    host = src["launches"] * cost / hw.host_speed if cost else None
+    launch_host = src["launches"] * cost / hw.host_speed if cost else None
+    # A GPU-bound row whose GPU idled: its host kept the measured pace at best.
+    floor = src["host_floor_s"] / hw.host_speed if src.get("host_floor_s") else None
+    known = [h for h in (launch_host, floor) if h is not None]
+    host = max(known) if known else None
     micro = max(g, host or 0.0)
     ar = allreduce_s(n, 4.0 * pr["P"], hw.link_gbs, hw.allreduce_efficiency, hw.link_latency_us)
     gpu_bound = host is None or g >= host
     cv = length_sd(src["length"]) / src["length"]["mean"] if src["length"].get("mean") else 0.0
-    sync_model, paced = sync_wait(n, gpu, host, cv, mb, ga)
+    # Pacing by launches only: a host floor bounds the micro-batch, it does not say the host paced it.
+    sync_model, paced = sync_wait(n, gpu, launch_host, cv, mb, ga)
     # What the ledger measured beyond the model on its own GPUs carries over (a GPU predicts itself):
     # a measured wait less the model's there; with accumulation 1 on several ranks the wait is inside
     # the measured micro-batch (None), so the model's wait there is taken off.
-    src_host = src["host_s"] if src["host_bound"] else None
+    src_host = src["host_s"] if src["host_bound"] else src["launches"] * cost if cost else None
     src_model, _ = sync_wait(src["world"], src["gpu"], src_host, cv, src["micro_batch"], src["ga"])
     measured = src["sync_measured"]
     sync = max(0.0, sync_model + (measured if measured is not None else 0.0) - src_model)
@@ -318,7 +328,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     mem = memory(src, p, quant, double_quant)
     return {"preset": src["preset"], "gpus": n, "hardware": hw.name, "micro_batch": mb, "ga": ga, "gc": src["gc"],
             "packing": src["packing"], "tokens_real": t, "tokens_processed": p, "gpu": gpu, "gpu_s": g,
-            "host_s": host, "launches": src["launches"], "launch_cost_s": cost, "micro_s": micro,
+            "host_s": host, "host_launch_s": launch_host, "host_floor_s": floor, "launches": src["launches"], "launch_cost_s": cost, "micro_s": micro,
             "bound": "GPU" if gpu_bound else "host", "gpu_bound_share": paced, "allreduce": ar, "step": step, "s_per_step": s_step,
             "tokens_per_s": tokens_step / s_step, "tokens_per_s_per_gpu": tokens_step / s_step / n,
             "matmul_tflops": peak * r["e"], "peak_tflops": peak, "peak_from": peak_from, "memory": mem,

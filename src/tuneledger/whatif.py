@@ -167,7 +167,15 @@ def describe(pred: dict, src: dict, hw: Hardware, e: dict) -> list[str]:
                  f"{g['attention']:.3f} + dequant {g['dequant']:.3f} + other memory-bound {g['other']:.3f}"
                  f" ({p['tokens_processed']:,.0f} tokens processed, {p['tokens_real']:,.0f} real)")
     if p["host_s"] is not None:
-        lines.append(f"    host = {p['launches']:,.0f} launches x {p['launch_cost_s'] * 1e6:.1f} µs / host_speed {hw.host_speed:g}")
+        terms = []
+        if p.get("host_launch_s") is not None:
+            terms.append(f"{p['launches']:,.0f} launches x {p['launch_cost_s'] * 1e6:.1f} µs / host_speed {hw.host_speed:g}")
+        if p.get("host_floor_s") is not None:
+            util = src.get("util_pct")
+            terms.append(f"the measured micro-batch {src['host_floor_s']:.3f} s / host_speed {hw.host_speed:g} (its GPU busy "
+                         f"{util:.0f}%: the host set the pace of the rest)" if util is not None else
+                         f"the measured micro-batch {src['host_floor_s']:.3f} s / host_speed {hw.host_speed:g}")
+        lines.append("    host = " + (f"max({', '.join(terms)})" if len(terms) > 1 else terms[0]))
     if n > 1:
         lines.append(f"  all-reduce {ar['s']:.3f} = ring 2x{n - 1}/{n} x {4 * src['params']['P'] / 1e6:,.0f} MB / ({hw.link_gbs:g} GB/s x "
                      f"{hw.allreduce_efficiency:g}) {ar['bandwidth_s']:.3f} + {plural(ar['buckets'], 'bucket')} x {2 * (n - 1)} hops x "
