@@ -20,11 +20,14 @@ moved to other hardware by the quantity that bounds it. Seconds per micro-batch 
              weight per pass, passes = 2 (forward, backward) + 1 with recompute, eff measured
   host       launches x cost per launch: launches from the profile (x 4/3 with recompute); cost
              from the row itself when it is host-bound (the micro-batch took the host's time),
-             else the median over the ledger's host-bound rows; on the target / host_speed
+             else the median over the ledger's host-bound rows; on the target / host_speed. A
+             GPU-bound row whose GPU idled (NVML busy < 100%) bounds it from below by its
+             measured micro-batch: the host set the pace of the idle rest
   micro      max(GPU, host): launches are asynchronous, so the slower side sets the pace
 
-A GPU-bound row's own measured time replaces the profile's sum on the measured GPU: what the
-profile's kernels leave of it goes into `other`, so the model is exact where it was measured.
+A GPU-bound row's busy time (its measured micro-batch x NVML's busy share) replaces the
+profile's sum on the measured GPU: what the profile's kernels leave of it goes into `other`, so
+the model is exact where it was measured.
 
 Per step: ga x micro + all-reduce + sync wait + optimizer + data wait.
   all-reduce  ring: 2(n-1)/n x 4P bytes (fp32 LoRA gradients) / (link GB/s x efficiency), plus
