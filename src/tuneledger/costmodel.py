@@ -20,10 +20,13 @@ moved to other hardware by the quantity that bounds it. Seconds per micro-batch 
              weight per pass, passes = 2 (forward, backward) + 1 with recompute, eff measured
   host       launches x cost per launch: launches from the profile (x 4/3 with recompute); cost
              from the row itself when it is host-bound (the micro-batch took the host's time),
-             else the median over the ledger's host-bound rows; on the target / host_speed. A
-             GPU-bound row whose GPU idled (NVML busy < 100%) bounds it from below by its
-             measured micro-batch: the host set the pace of the idle rest
-  micro      max(GPU, host): launches are asynchronous, so the slower side sets the pace
+             else the median over the ledger's host-bound rows; on the target / host_speed
+  idle       a GPU-bound row whose GPU idled (NVML busy < 100%): the measured micro-batch less
+             max(GPU, host) there, host gaps between kernels, on the target / host_speed and x
+             min(1, GPU_src / GPU_tgt): a slower GPU's longer kernels fill them
+  micro      E[max(GPU, host)] + idle: launches are asynchronous, so the slower side sets the pace;
+             the GPU time is normal around its mean (sync wait's sd), drawn (rank_steps); + what
+             the measured micro-batch held beyond the model there
 
 A GPU-bound row's busy time (its measured micro-batch x NVML's busy share) replaces the
 profile's sum on the measured GPU: what the profile's kernels leave of it goes into `other`, so
@@ -33,13 +36,16 @@ Per step: ga x micro + all-reduce + sync wait + optimizer + data wait.
   all-reduce  ring: 2(n-1)/n x 4P bytes (fp32 LoRA gradients) / (link GB/s x efficiency), plus
               2(n-1) hops x latency x ceil(4P / 25 MiB) DDP buckets; counted in full, not overlapped
               with the backward (the field report's 2 x 0.45 + 0.20 = 1.10 s adds it in full)
-  sync wait   the slowest of n ranks: c_n x f x sd of a rank's step, sd = v x cv / sqrt(mb) x sqrt(ga),
-              v = the token-proportional GPU time of a micro-batch (matmul, attention, other), cv =
-              sd / mean of sample lengths, f = the share of micro-batches that are GPU-bound,
-              P(GPU time > host time) with the GPU time normal around its mean: a host-bound
-              micro-batch's time is set by its launches, not its lengths; + the ledger's measured
-              wait less the model's for its own GPUs (none measured with accumulation 1 on several
-              ranks: it is inside the micro-batch, so the model's is taken off)
+  sync wait   E[the slowest of n ranks' step] - E[a rank's step], a step = ga micro-batches of
+              max(GPU, host), the GPU time normal with sd = v x cv / sqrt(mb), v = the
+              token-proportional GPU time of a micro-batch (matmul, attention, other), cv = sd /
+              mean of sample lengths (drawn, rank_steps; about c_n x sd x sqrt(ga) when the GPU
+              paces, c_n = expected_max(n)): a host-paced micro-batch's time is set by its
+              launches, not its lengths; + the ledger's measured
+              wait less the model's for its own GPUs, x c_n / c_n_src x sqrt(ga / ga_src) when it
+              was measured between ranks (none on one GPU), as is on one rank (its last micro-batch's
+              extra, a cost per step); none measured with accumulation 1 on several ranks: it is
+              inside the micro-batch, so the model's there is taken off
   optimizer   the measured optimizer time split into its kernels (the profile's optimizer kernels
               per trainable parameter, x P, x BW_profile / BW) and the rest, host time between them
               (/ host_speed on the target): on the H200 the kernels are 3.4 of ~10 ms, so scaling the
@@ -177,13 +183,13 @@ def analyze(led: dict, row: dict, r: dict, src_gbs: float) -> dict:
     launches = r["launches_per_micro"] * (4 / 3 if gc else 1)
     hb = host_bound(row)
     modeled = sum(parts.values())
-    calib = host_floor = None
+    calib = None
+    idle = 0.0
     if not hb:  # the GPU set the pace: its busy share of the measured time is the GPU's
         util = (row.get("gpu_window") or {}).get("util_mean_pct")
-        busy = min(1.0, max(0.0, util / 100)) if util is not None else 1.0
-        if busy < 1.0:  # the idle rest waited on the host, which took the whole micro-batch at most
-            host_floor = compute
-        gpu_time = compute * busy
+        busy = util / 100 if util else 1.0  # unknown (null) or 0: all of it, as before NVML's share was read
+        idle = compute * (1.0 - busy)  # gaps in which the GPU waited on the host
+        gpu_time = compute - idle
         rest = gpu_time - parts["matmul"]
         mem = modeled - parts["matmul"]
         if rest >= mem:
@@ -197,7 +203,7 @@ def analyze(led: dict, row: dict, r: dict, src_gbs: float) -> dict:
     return {"preset": row["preset"], "micro_batch": mb, "ga": n_micro, "world": led.get("world_size", 1), "G": G,
             "gc": gc, "packing": packing, "tokens_real": t, "tokens_processed": p, "length": length, "params": pr,
             "rates": r, "gpu": parts, "compute_micro_s": compute, "host_bound": hb, "launches": launches,
-            "host_s": compute if hb else None, "host_floor_s": host_floor, "overheads": over, "sync_measured": row["split"].get("sync_wait_s"),
+            "host_s": compute if hb else None, "idle_s": idle, "overheads": over, "sync_measured": row["split"].get("sync_wait_s"),
             "calibration": calib,
             "util_pct": (row.get("gpu_window") or {}).get("util_mean_pct"), "src_gbs": src_gbs,
             "peak_measured": peak_meas, "row": row}
@@ -261,15 +267,28 @@ def target_peak(src_peak: float, src_hw, hw) -> tuple[float, str]:
                               f"peaks ({hw.name} has no bf16_tflops_measured)")
 
 
-def sync_wait(n: int, gpu: dict, host: float | None, cv: float, mb: int, ga: int) -> tuple[float, float]:
-    """The wait for the slowest of n ranks per step (module doc) and the share of micro-batches the
-    GPU paces: gpu = a micro-batch's GPU parts (s), host = its host time (None: unknown, GPU-paced),
-    cv = sd / mean of sample lengths. Only micro-batches the GPU sets the pace of vary with their
-    lengths: the share whose GPU time (normal around its mean) exceeds the host's."""
+DRAWS = 2000  # steps drawn per (ranks, micro-batches) shape; fixed seed: the same shape, the same draws
+
+
+def rank_steps(gpu: dict, host: float | None, cv: float, mb: int, n: int, ga: int) -> tuple[float, float, float]:
+    """The micro-batches of a step on n ranks, each max(G, host) with G its GPU time, normal around
+    sum(gpu) with sd = the token-proportional parts (matmul, attention, other) x cv / sqrt(mb)
+    (host None: unknown, the GPU paces). Returns (the mean micro-batch s, the wait for the slowest
+    rank s = E[max over ranks of a rank's sum] - E[a rank's sum], the share of micro-batches the GPU
+    paces). Drawn (DRAWS steps, seed 0), not approximated: with the same draws for every input, a
+    faster host or GPU never gives a longer step, which the normal approximation of a sum of maxima
+    did not keep."""
+    import numpy as np
+
     g = sum(gpu.values())
-    sd_micro = (gpu["matmul"] + gpu["attention"] + gpu["other"]) * cv / math.sqrt(mb)
-    paced = 1.0 if host is None else statistics.NormalDist().cdf((g - host) / sd_micro) if sd_micro else float(g >= host)
-    return expected_max(n) * paced * sd_micro * math.sqrt(ga), paced
+    sd = (gpu["matmul"] + gpu["attention"] + gpu["other"]) * cv / math.sqrt(mb)
+    z = np.random.default_rng(0).standard_normal((DRAWS, n, ga))
+    t = g + sd * z
+    paced = 1.0 if host is None else float((t > host).mean())
+    if host is not None:
+        t = np.maximum(t, host)
+    rank = t.sum(axis=2)  # (DRAWS, n): each rank's micro-batches of a step
+    return float(rank.mean()) / ga, float(rank.max(axis=1).mean() - rank.mean()), paced
 
 
 def optimizer_s(measured: float, r: dict, P: float, src_gbs: float, hw) -> float:
@@ -305,24 +324,31 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
            "dequant": src["gpu"]["dequant"] * bw}
     g = sum(gpu.values())
     cost = (src["host_s"] / src["launches"]) if src["host_bound"] else launch_cost
-    launch_host = src["launches"] * cost / hw.host_speed if cost else None
-    # A GPU-bound row whose GPU idled: its host kept the measured pace at best.
-    floor = src["host_floor_s"] / hw.host_speed if src.get("host_floor_s") else None
-    known = [h for h in (launch_host, floor) if h is not None]
-    host = max(known) if known else None
-    micro = max(g, host or 0.0)
+    host = src["launches"] * cost / hw.host_speed if cost else None
+    # A GPU-bound row whose GPU idled (NVML busy < 100%): host gaps between its kernels, a host
+    # time per micro-batch whatever its size; a slower GPU's longer kernels fill them in proportion.
+    g_src = sum(src["gpu"].values())
+    src_host = src["host_s"] if src["host_bound"] else src["launches"] * cost if cost else None
+    gaps = max(0.0, src["compute_micro_s"] - max(g_src, src_host or 0.0)) if src["idle_s"] else 0.0
+    idle = gaps * min(1.0, g_src / g if g else 1.0) / hw.host_speed
+    cv = length_sd(src["length"]) / src["length"]["mean"] if src["length"].get("mean") else 0.0
+    mean, sync_model, paced = rank_steps(gpu, host, cv, mb, n, ga)
+    # What the ledger measured beyond the model on its own GPUs carries over (a GPU predicts itself):
+    # the measured micro-batch less the model's mean there, and the measured wait less the model's;
+    # with accumulation 1 on several ranks the wait is inside the measured micro-batch (None), so
+    # the model's wait there is taken off.
+    src_mean, src_model, _ = rank_steps(src["gpu"], src_host, cv, src["micro_batch"], src["world"], src["ga"])
+    micro = mean + idle + (src["compute_micro_s"] - gaps - src_mean)
     ar = allreduce_s(n, 4.0 * pr["P"], hw.link_gbs, hw.allreduce_efficiency, hw.link_latency_us)
     gpu_bound = host is None or g >= host
-    cv = length_sd(src["length"]) / src["length"]["mean"] if src["length"].get("mean") else 0.0
-    # Pacing by launches only: a host floor bounds the micro-batch, it does not say the host paced it.
-    sync_model, paced = sync_wait(n, gpu, launch_host, cv, mb, ga)
-    # What the ledger measured beyond the model on its own GPUs carries over (a GPU predicts itself):
-    # a measured wait less the model's there; with accumulation 1 on several ranks the wait is inside
-    # the measured micro-batch (None), so the model's wait there is taken off.
-    src_host = src["host_s"] if src["host_bound"] else src["launches"] * cost if cost else None
-    src_model, _ = sync_wait(src["world"], src["gpu"], src_host, cv, src["micro_batch"], src["ga"])
     measured = src["sync_measured"]
-    sync = max(0.0, sync_model + (measured if measured is not None else 0.0) - src_model)
+    if measured is None:  # accumulation 1 on several ranks: the wait is inside the measured micro-batch
+        beyond = -src_model
+    elif src["world"] > 1:  # a wait between ranks: it grows as the slowest of n does
+        beyond = (measured - src_model) * expected_max(n) / expected_max(src["world"]) * math.sqrt(ga / src["ga"])
+    else:  # one rank: what its last micro-batch took beyond the others, a cost per step
+        beyond = measured - src_model
+    sync = max(0.0, sync_model + beyond)
     over = src["overheads"]
     step = {"micro_batches": ga * micro, "allreduce": ar["s"], "sync_wait": sync,
             "optimizer": optimizer_s(over["optimizer_s"], r, pr["P"], src["src_gbs"], hw), "data_wait": over["data_wait_s"]}
@@ -331,7 +357,7 @@ def predict(src: dict, src_hw, hw, n: int, launch_cost: float | None, quant: str
     mem = memory(src, p, quant, double_quant)
     return {"preset": src["preset"], "gpus": n, "hardware": hw.name, "micro_batch": mb, "ga": ga, "gc": src["gc"],
             "packing": src["packing"], "tokens_real": t, "tokens_processed": p, "gpu": gpu, "gpu_s": g,
-            "host_s": host, "host_launch_s": launch_host, "host_floor_s": floor, "launches": src["launches"], "launch_cost_s": cost, "micro_s": micro,
+            "host_s": host, "idle_s": idle, "launches": src["launches"], "launch_cost_s": cost, "micro_s": micro,
             "bound": "GPU" if gpu_bound else "host", "gpu_bound_share": paced, "allreduce": ar, "step": step, "s_per_step": s_step,
             "tokens_per_s": tokens_step / s_step, "tokens_per_s_per_gpu": tokens_step / s_step / n,
             "matmul_tflops": peak * r["e"], "peak_tflops": peak, "peak_from": peak_from, "memory": mem,

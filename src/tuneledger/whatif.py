@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -92,6 +93,17 @@ def load_ledger(path: Path) -> dict:
         missing = [k for k in ROW_FIELDS if k not in row] + [f"model.{k}" for k in MODEL_FIELDS if k not in row.get("model", {})]
         if missing:
             raise WhatifError(f"{path}: presets[{i}] (preset {row.get('preset', '?')}) lacks {', '.join(missing)}")
+        # Numbers the model reads that a dry-run writes as null when unknown: a number in range or null.
+        for where, value, low, high in (("split.sync_wait_s", (row.get("split") or {}).get("sync_wait_s"), 0.0, None),
+                                        ("gpu_window.util_mean_pct", (row.get("gpu_window") or {}).get("util_mean_pct"),
+                                         0.0, 100.0),
+                                        ("peak_tflops_measured", row.get("peak_tflops_measured"), 0.0, None)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                                      or value < low or (high is not None and value > high)
+                                      or (where == "peak_tflops_measured" and value == 0)):
+                span = f"{low:g} to {high:g}" if high is not None else f"{low:g} or more"
+                raise WhatifError(f"{path}: presets[{i}] (preset {row.get('preset', '?')}) {where}: {value!r} is not a number "
+                                  f"from {span} (a dry-run writes null when it did not measure it)")
     return led
 
 
@@ -161,21 +173,18 @@ def describe(pred: dict, src: dict, hw: Hardware, e: dict) -> list[str]:
              f"  {p['tokens_per_s']:,.0f} tokens/s ({p['tokens_per_s_per_gpu']:,.0f} per GPU) over {src['row']['tokens_per_step']:,.0f} "
              f"real tokens a step"]
     host = (f"host {p['host_s']:.3f}" if p["host_s"] is not None else "host unknown (no host-bound row to price a launch)")
-    lines.append(f"  micro-batch {p['micro_s']:.3f} s = max(GPU {p['gpu_s']:.3f}, {host}): {p['bound']}-bound")
+    idle = ""
+    if p["idle_s"]:
+        util = src.get("util_pct")
+        idle = (f" + idle {p['idle_s']:.3f} (host gaps: the measured GPU was busy {util:.0f}% of its micro-batch; "
+                f"a slower GPU's kernels fill them)" if util is not None else f" + idle {p['idle_s']:.3f}")
+    lines.append(f"  micro-batch {p['micro_s']:.3f} s = max(GPU {p['gpu_s']:.3f}, {host}){idle}: {p['bound']}-bound")
     flops = p["tokens_processed"] * cm.flops_per_token(src["params"]["N"], src["params"]["P"], p["gc"])
     lines.append(f"    GPU = matmul {g['matmul']:.3f} ({flops:.3g} FLOP at {p['matmul_tflops']:.1f} TFLOP/s) + attention "
                  f"{g['attention']:.3f} + dequant {g['dequant']:.3f} + other memory-bound {g['other']:.3f}"
                  f" ({p['tokens_processed']:,.0f} tokens processed, {p['tokens_real']:,.0f} real)")
     if p["host_s"] is not None:
-        terms = []
-        if p.get("host_launch_s") is not None:
-            terms.append(f"{p['launches']:,.0f} launches x {p['launch_cost_s'] * 1e6:.1f} µs / host_speed {hw.host_speed:g}")
-        if p.get("host_floor_s") is not None:
-            util = src.get("util_pct")
-            terms.append(f"the measured micro-batch {src['host_floor_s']:.3f} s / host_speed {hw.host_speed:g} (its GPU busy "
-                         f"{util:.0f}%: the host set the pace of the rest)" if util is not None else
-                         f"the measured micro-batch {src['host_floor_s']:.3f} s / host_speed {hw.host_speed:g}")
-        lines.append("    host = " + (f"max({', '.join(terms)})" if len(terms) > 1 else terms[0]))
+        lines.append(f"    host = {p['launches']:,.0f} launches x {p['launch_cost_s'] * 1e6:.1f} µs / host_speed {hw.host_speed:g}")
     if n > 1:
         lines.append(f"  all-reduce {ar['s']:.3f} = ring 2x{n - 1}/{n} x {4 * src['params']['P'] / 1e6:,.0f} MB / ({hw.link_gbs:g} GB/s x "
                      f"{hw.allreduce_efficiency:g}) {ar['bandwidth_s']:.3f} + {plural(ar['buckets'], 'bucket')} x {2 * (n - 1)} hops x "

@@ -60,6 +60,6 @@ print()
 print("| bound on the 4090 | A | B | C |")
 print("| --- | --- | --- | --- |")
 for label, s in (("November 1-GPU", nov1), ("December", dec)):
-    print(f"| {label} | " + " | ".join(f"{s[k]['bound']} (GPU {s[k]['gpu_s']:.3f} s, host {s[k]['host_s'] or 0:.3f} s)" for k in "ABC") + " |")
+    print(f"| {label} | " + " | ".join(f"{s[k]['bound']} (GPU {s[k]['gpu_s']:.3f} s, host {'unknown' if s[k]['host_s'] is None else format(s[k]['host_s'], '.3f') + ' s'}" + (f", idle {s[k]['idle_s']:.3f} s" if s[k]['idle_s'] else '') + ")" for k in "ABC") + " |")
 PY
 echo "wrote $OUT"
