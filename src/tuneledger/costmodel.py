@@ -185,8 +185,8 @@ def analyze(led: dict, row: dict, r: dict, src_gbs: float) -> dict:
     modeled = sum(parts.values())
     calib = None
     idle = 0.0
+    util = (row.get("gpu_window") or {}).get("util_mean_pct")
     if not hb:  # the GPU set the pace: its busy share of the measured time is the GPU's
-        util = (row.get("gpu_window") or {}).get("util_mean_pct")
         busy = util / 100 if util else 1.0  # unknown (null) or 0: all of it, as before NVML's share was read
         idle = compute * (1.0 - busy)  # gaps in which the GPU waited on the host
         gpu_time = compute - idle
@@ -205,7 +205,7 @@ def analyze(led: dict, row: dict, r: dict, src_gbs: float) -> dict:
             "rates": r, "gpu": parts, "compute_micro_s": compute, "host_bound": hb, "launches": launches,
             "host_s": compute if hb else None, "idle_s": idle, "overheads": over, "sync_measured": row["split"].get("sync_wait_s"),
             "calibration": calib,
-            "util_pct": (row.get("gpu_window") or {}).get("util_mean_pct"), "src_gbs": src_gbs,
+            "util_pct": util, "src_gbs": src_gbs,
             "peak_measured": peak_meas, "row": row}
 
 
@@ -249,22 +249,22 @@ def memory(src: dict, p_tgt: float, quant: str | None, double_quant: bool) -> di
 
 
 def target_peak(src_peak: float, src_hw, hw) -> tuple[float, str]:
-    """The target's bf16 matmul peak (TFLOP/s) and, in words, how it was reached: the peak the
-    ledger measured on its GPU (src_peak) x the ratio of the two entries' figures. Both entries have
-    `bf16_tflops_measured` (public records of one torch.mm benchmark): their ratio, so the ledger's
-    own conditions carry over and the same GPU predicts itself. Only the target has one: that
-    figure. Else the datasheet ratio bf16_tflops / src_hw.bf16_tflops: a data-centre card reaches
-    79-85% of its datasheet like the H200, a GeForce card boosts past its own (an RTX 4090 reaches
-    0.98-1.05 of 165.2), which is why the measured figures come first."""
+    """The target's bf16 matmul peak (TFLOP/s) from the peak a ledger's row measured on its GPU
+    (src_peak), and how, in words that hold for every row. Both entries have
+    `bf16_tflops_measured` (public records of one torch.mm benchmark): src_peak x their ratio, so
+    the ledger's own conditions carry over and the same GPU predicts itself. Only the target has
+    one: that figure. Else the datasheet ratio bf16_tflops / src_hw.bf16_tflops: a data-centre card
+    reaches 79-85% of its datasheet like the H200, a GeForce card boosts past its own (an RTX 4090
+    reaches 0.98-1.05 of 165.2), which is why the measured figures come first."""
     if hw.bf16_tflops_measured and src_hw.bf16_tflops_measured:
-        ratio = hw.bf16_tflops_measured / src_hw.bf16_tflops_measured
-        return src_peak * ratio, (f"the ledger's {src_peak:.1f} x {hw.bf16_tflops_measured:g} / {src_hw.bf16_tflops_measured:g}, "
-                                  f"the entries' measured bf16 rates ({hw.name}, {src_hw.name})")
+        return (src_peak * hw.bf16_tflops_measured / src_hw.bf16_tflops_measured,
+                f"the row's measured peak x {hw.bf16_tflops_measured:g} / {src_hw.bf16_tflops_measured:g} "
+                f"({hw.name} / {src_hw.name}, measured bf16 rates: bf16_tflops_measured)")
     if hw.bf16_tflops_measured:
-        return hw.bf16_tflops_measured, f"{hw.name}'s measured bf16 rate (its entry's bf16_tflops_measured)"
-    ratio = hw.bf16_tflops / src_hw.bf16_tflops
-    return src_peak * ratio, (f"the ledger's {src_peak:.1f} x {hw.bf16_tflops:g} / {src_hw.bf16_tflops:g}, the datasheet "
-                              f"peaks ({hw.name} has no bf16_tflops_measured)")
+        return hw.bf16_tflops_measured, f"{hw.bf16_tflops_measured:g} TFLOP/s, {hw.name}'s measured bf16 rate"
+    return (src_peak * hw.bf16_tflops / src_hw.bf16_tflops,
+            f"the row's measured peak x {hw.bf16_tflops:g} / {src_hw.bf16_tflops:g} (datasheet peaks; {hw.name} has "
+            f"no bf16_tflops_measured)")
 
 
 DRAWS = 2000  # steps drawn per (ranks, micro-batches) shape; fixed seed: the same shape, the same draws

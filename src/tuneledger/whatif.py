@@ -94,16 +94,15 @@ def load_ledger(path: Path) -> dict:
         if missing:
             raise WhatifError(f"{path}: presets[{i}] (preset {row.get('preset', '?')}) lacks {', '.join(missing)}")
         # Numbers the model reads that a dry-run writes as null when unknown: a number in range or null.
-        for where, value, low, high in (("split.sync_wait_s", (row.get("split") or {}).get("sync_wait_s"), 0.0, None),
-                                        ("gpu_window.util_mean_pct", (row.get("gpu_window") or {}).get("util_mean_pct"),
-                                         0.0, 100.0),
-                                        ("peak_tflops_measured", row.get("peak_tflops_measured"), 0.0, None)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                                      or value < low or (high is not None and value > high)
-                                      or (where == "peak_tflops_measured" and value == 0)):
-                span = f"{low:g} to {high:g}" if high is not None else f"{low:g} or more"
+        for where, value, ok, span in (
+                ("split.sync_wait_s", (row.get("split") or {}).get("sync_wait_s"), lambda v: v >= 0, "from 0 or more"),
+                ("gpu_window.util_mean_pct", (row.get("gpu_window") or {}).get("util_mean_pct"), lambda v: 0 <= v <= 100,
+                 "from 0 to 100"),
+                ("peak_tflops_measured", row.get("peak_tflops_measured"), lambda v: v > 0, "above 0")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or not ok(value)):
                 raise WhatifError(f"{path}: presets[{i}] (preset {row.get('preset', '?')}) {where}: {value!r} is not a number "
-                                  f"from {span} (a dry-run writes null when it did not measure it)")
+                                  f"{span} (a dry-run writes null when it did not measure it)")
     return led
 
 
@@ -335,17 +334,6 @@ def prepare(args: argparse.Namespace) -> dict:
             "against": other}
 
 
-def peak_rule(src_hw, hw) -> str:
-    """How the target's matmul peak follows from each row's measured one (costmodel.target_peak), in words."""
-    if hw.bf16_tflops_measured and src_hw.bf16_tflops_measured:
-        return (f"the row's measured peak x {hw.bf16_tflops_measured:g} / {src_hw.bf16_tflops_measured:g} "
-                f"({hw.name} / {src_hw.name}, measured bf16 rates: bf16_tflops_measured)")
-    if hw.bf16_tflops_measured:
-        return f"{hw.bf16_tflops_measured:g} TFLOP/s, {hw.name}'s measured bf16 rate"
-    return (f"the row's measured peak x {hw.bf16_tflops:g} / {src_hw.bf16_tflops:g} (datasheet peaks; "
-            f"{hw.name} has no bf16_tflops_measured)")
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         c = prepare(args)
@@ -364,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  -> {n} x {hw.gpu} ({hw.name}: {hw.bf16_tflops:g} TFLOP/s dense bf16, {hw.memory_gb:g} GB, {hw.memory_gbs:,.0f} GB/s; "
           f"{hw.link}, {hw.link_gbs:g} GB/s x {hw.allreduce_efficiency:g}; figures and sources: {hw.where})")
     print(f"kernel split: {r['where']}; matmul at {r['e']:.1%} of the measured bf16 peak, {share:.1%} of the datasheet's "
-          f"on the measured GPU; on the target {r['e']:.1%} of each preset's peak: {peak_rule(src_hw, hw)}")
+          f"on the measured GPU; on the target {r['e']:.1%} of each preset's peak: {cm.target_peak(sources[0]['peak_measured'], src_hw, hw)[1]}")
     hb = [s["preset"] for s in sources if s["host_bound"]]
     if c["launch_cost_s"]:
         print(f"host: {c['launch_cost_s'] * 1e6:.1f} µs per kernel launch (median of this ledger's host-bound presets "
