@@ -138,3 +138,8 @@ def test_the_ledger_records_the_a_b_variables_a_run_had(tiny_model, monkeypatch)
     assert levers["env"] == ("TUNELEDGER_TRAIN_WALK=every, TUNELEDGER_CUDAGRAPHS=1 (TUNELEDGER_CUDAGRAPHS: no effect, "
                              "no layers compiled on a CUDA GPU)"), levers
     assert not compiled.cudagraphs_on()
+    monkeypatch.delenv("TUNELEDGER_CUDAGRAPHS")
+    monkeypatch.setenv("TUNELEDGER_GUARDS", "dict-tags")  # guards of compiled layers: none compiled on a CPU
+    levers = load_model(cfg, "cpu")[1]["levers"]
+    assert levers["env"] == ("TUNELEDGER_TRAIN_WALK=every, TUNELEDGER_GUARDS=dict-tags (TUNELEDGER_GUARDS: no effect, "
+                             "no layers compiled)"), levers

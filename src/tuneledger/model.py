@@ -213,7 +213,9 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
                                cpp_wrapper=cfg.compile_cpp_wrapper)
     if ab := env_levers.active():  # make bench's A/B variables: every row says how it ran
         unused = compiled.cudagraphs_wanted() and not compiled.cudagraphs_on()
-        levers["env"] = ab + (" (TUNELEDGER_CUDAGRAPHS: no effect, no layers compiled on a CUDA GPU)" if unused else "")
+        unguarded = env_levers.value("TUNELEDGER_GUARDS") and not levers["compile"].startswith("on")
+        levers["env"] = ab + (" (TUNELEDGER_CUDAGRAPHS: no effect, no layers compiled on a CUDA GPU)" if unused else "") + (
+            " (TUNELEDGER_GUARDS: no effect, no layers compiled)" if unguarded else "")
     levers["lora_dropout"] = cfg.lora_dropout
     if cfg.lora_dropout:
         # What the user weighs it against (measured in make bench's Ddrop row, not in this run).
