@@ -110,7 +110,9 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     ligerbwd) o="$AUTO";;  # A/B: Liger's own fused cross-entropy backward, its torch.equal check and 2 host syncs a micro-batch (TUNELEDGER_LIGER_BACKWARD=liger)
     dicttags) o="$AUTO";;  # A/B: Dynamo's guards by recursive dict tags (TUNELEDGER_GUARDS=dict-tags)
     noguard) o="$AUTO";;  # A/B: no guards on module attributes, unsafe (TUNELEDGER_GUARDS=skip-modules)
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk|dicttags|noguard>, unsloth, hf)"; return 1;;
+    ugc) o="$AUTO use_unsloth_gc=true";;  # checkpointed layer inputs in pinned CPU memory until backward (offload.py; A and B)
+    ugcnoabsmax) o="$AUTO use_unsloth_gc=true absmax_once=false";;  # the same, without absmax_once's +290 MiB
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk|dicttags|noguard|ugc|ugcnoabsmax>, unsloth, hf)"; return 1;;
   esac
   # Dauto and Cauto warn at every host-device sync of their last warm-up step, with the stack (probes.SyncDebug):
   # a warm-up step, so the warnings never slow a measured one.

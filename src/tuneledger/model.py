@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tuneledger import compiled, env_levers, fused_lora, grouped, nf4, nf4_kernel, speed, swiglu
+from tuneledger import compiled, env_levers, fused_lora, grouped, nf4, nf4_kernel, offload, speed, swiglu
 from tuneledger.model_location import PreflightError, hub_offline, locate_model, looks_like_path  # noqa: F401
 from tuneledger.tokenizer_load import fix_end_of_turn, load_tokenizer  # noqa: F401  (tokenizers are the data side's)
 
@@ -185,7 +185,8 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # F: FSDP's activation checkpointing wraps each layer instead (the Trainer's own would gather
     # every layer's weights a second time in backward).
     if cfg.gradient_checkpointing and not cfg.sharded:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # use_unsloth_gc: the reentrant checkpoint saves its inputs where offload.py's hook sees them
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": cfg.use_unsloth_gc})
     # Checkpointed blocks need an input that requires grad to have a backward path through frozen
     # embeddings; peft's k-bit preparation does the same.
     model.enable_input_require_grads()
@@ -211,6 +212,8 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit),
                                checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted(),
                                cpp_wrapper=cfg.compile_cpp_wrapper)
+    levers["use_unsloth_gc"] = _lever(offload.offload_layer_inputs, model, cfg.use_unsloth_gc,
+                                      cfg.gradient_checkpointing, cfg.sharded)
     if ab := env_levers.active():  # make bench's A/B variables: every row says how it ran
         unused = compiled.cudagraphs_wanted() and not compiled.cudagraphs_on()
         unguarded = env_levers.value("TUNELEDGER_GUARDS") and not levers["compile"].startswith("on")
