@@ -125,12 +125,15 @@ def test_on_a_gpu_over_nf4_the_same_gradients_in_less_memory(tiny_model, monkeyp
     assert peak1 < peak0, (peak0, peak1)
 
 
-def test_the_key_loads_refuses_fsdp_and_says_when_it_has_nothing_to_do(tiny_model):
+def test_the_key_loads_refuses_fsdp_and_says_when_it_has_nothing_to_do(tiny_model, monkeypatch):
     from tuneledger.config import ConfigError
     from tuneledger.model import load_model
 
     base = {"model_name_or_path": str(tiny_model), "dataset": ["x.json"], "lora_rank": 4}
     assert load_model(load_config(None, base), "cpu")[1]["levers"]["use_unsloth_gc"] == "off"
+    assert load_model(load_config(None, {**base, "use_unsloth_gc": True}), "cpu")[1]["levers"]["use_unsloth_gc"] == \
+        "off (the layers run on the CPU: their inputs are in host memory already)"
+    monkeypatch.setattr(offload, "DEVICE_TYPES", ("cuda", "cpu"))
     model, info = load_model(load_config(None, {**base, "use_unsloth_gc": True}), "cpu")
     assert info["levers"]["use_unsloth_gc"].startswith(f"on ({model.config.num_hidden_layers} checkpointed layer inputs")
     assert load_model(load_config(None, {**base, "use_unsloth_gc": True, "gradient_checkpointing": False}), "cpu")[1][

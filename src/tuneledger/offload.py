@@ -71,6 +71,9 @@ def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool, sharded:
                          "offload_params (FSDP's CPU offload) instead")
     if not checkpointing:
         return "off (gradient checkpointing is off: no layer inputs are kept to offload)"
+    device = next(model.parameters()).device.type
+    if device not in DEVICE_TYPES:
+        return f"off (the layers run on the {device.upper()}: their inputs are in host memory already)"
     stack = next((m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)), None)
     if stack is None:
         raise ValueError("use_unsloth_gc: no decoder layers (a `layers` ModuleList) found")
