@@ -17,6 +17,15 @@ KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES 
 	RUNS_DIR CACHE_DIR BUDGET
 PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
 	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL
+# A command-line variable that the Makefile computes itself (JOB_OVERRIDES=..., DOCKER_GPU=...)
+# replaces what it computes, by make's rule: refused, naming it, before anything runs.
+INTERNAL_VARS := $(filter-out $(KNOWN_VARS) SHELL,$(shell sed -nE 's/^([A-Za-z_][A-Za-z0-9_]*) *[:?+]?=.*/\1/p' \
+	$(firstword $(MAKEFILE_LIST))))
+INTERNAL_SET := $(strip $(foreach v,$(INTERNAL_VARS),$(if $(filter command line,$(origin $(v))),$(v))))
+ifneq ($(INTERNAL_SET),)
+$(error tuneledger: $(INTERNAL_SET): computed inside this Makefile, not a setting: on the command line it would replace \
+	what the Makefile computes. `make help` lists the settings; key=value overrides go in ARGS="key=value ...")
+endif
 UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(PASSED_VARS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 ifneq ($(UNKNOWN_VARS),)
 UNKNOWN_SAID := $(shell command -v python3 >/dev/null && python3 -c 'import difflib, sys; k = sys.argv[2].split(); \
@@ -137,7 +146,7 @@ endif
 # Make variables -> key=value overrides, in LLaMA-Factory's key names. The verbs' command lines
 # are stripped (no runs of blanks in make's echo where a variable is unset), all but ARGS,
 # QUANT_ARGS and PROMPT, appended as given: a value there may hold blanks.
-OVERRIDES := $(MODEL_OVERRIDE) \
+JOB_OVERRIDES := $(MODEL_OVERRIDE) \
 	$(if $(DATASET),dataset=$(DATASET)) $(if $(RUN),$(if $(findstring /,$(RUN)),output_dir=$(RUN) run_name=$(notdir $(patsubst %/,%,$(RUN))),run_name=$(RUN))) \
 	$(if $(MAX_STEPS),max_steps=$(MAX_STEPS)) $(if $(STEPS),dryrun_steps=$(STEPS))
 WITH_ARGS = $(if $(ARGS), $(ARGS))
@@ -211,19 +220,19 @@ models/synthetic-%/config.json: | $(ENV_DEP)
 MODEL_DEP = $(if $(filter models/synthetic-%,$(patsubst ./%,%,$(JOB_MODEL))),$(patsubst ./%,%,$(JOB_MODEL))/config.json)
 
 stats: $(ENV_DEP) $(MODEL_DEP) ## token counts, invalid records, steps per epoch (runs/<run>/stats.json)
-	$(strip $(TL) stats $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(OVERRIDES))$(WITH_ARGS)
+	$(strip $(TL) stats $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(JOB_OVERRIDES))$(WITH_ARGS)
 
 dryrun: $(ENV_DEP) $(MODEL_DEP) ## measure s/step, tokens/s, memory, save time, ETA (PRESET=all ranks A-D, and F when none fits 24 GB)
-	$(strip $(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES))$(WITH_ARGS)
+	$(strip $(TL) dryrun $(CONFIG) --preset $(DRYRUN_PRESET) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(JOB_OVERRIDES))$(WITH_ARGS)
 
 train: $(ENV_DEP) $(MODEL_DEP) ## the full run (DDP; F: FSDP2); resumes from the last checkpoint (PRESET=A|B|C|D|F)
-	$(strip $(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(OVERRIDES))$(WITH_ARGS)
+	$(strip $(TL) train $(CONFIG) $(if $(PRESET),preset=$(PRESET)) $(if $(NPROC),--nproc $(NPROC)) $(NODE_FLAGS) $(JOB_OVERRIDES))$(WITH_ARGS)
 
 # `make whatif RUN=<run>`: that run's dry-run ledger on other GPUs (docs/whatif.md); the box is
 # 8x4090-pcie unless ARGS="--gpus 4xA100-80g-nvlink" (or a YAML) says another; PRESET= picks one.
 .PHONY: whatif tune
 tune: $(ENV_DEP) $(MODEL_DEP) ## the fastest micro-batch x GC x packing that fits, by short dry-runs (BUDGET=10m; ARGS="--memory-gib 24")
-	$(strip $(TL) tune $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(if $(BUDGET),--budget $(BUDGET)) $(OVERRIDES))$(WITH_ARGS)
+	$(strip $(TL) tune $(CONFIG) $(if $(NPROC),--nproc $(NPROC)) $(if $(BUDGET),--budget $(BUDGET)) $(JOB_OVERRIDES))$(WITH_ARGS)
 
 whatif: $(ENV_DEP) ## predict RUN's dry-run on other GPUs: s/step, tokens/s, memory, 24 GB fit, ETA (ARGS="--gpus 8xH100-sxm")
 	$(strip $(TL) whatif $(RUN_DIR)/dryrun.json $(if $(findstring --gpus,$(ARGS)),,--gpus 8x4090-pcie) $(if $(PRESET),--preset $(PRESET)))$(WITH_ARGS)

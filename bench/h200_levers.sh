@@ -29,8 +29,8 @@ left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 { nvidia-smi; echo "host: $(nproc) CPUs, $(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2), load $(cut -d" " -f1-3 /proc/loadavg)"; ${PY:-python3} -c "import torch, transformers, peft, bitsandbytes, datasets, liger_kernel; from importlib.metadata import version; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'liger-kernel', version('liger-kernel'))"; } >> "$LOG" 2>&1
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  stamp "the GPU tests: ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py}"
-  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py} > /tmp/logs/test_speed_gpu.log 2>&1
+  stamp "the GPU tests: ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py}"
+  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py} > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
 if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per layer (bench/compile_check.py)

@@ -191,6 +191,17 @@ def test_a_misspelt_command_line_variable_is_warned_with_the_close_one():
     assert "unknown to this Makefile" not in quiet.stderr  # known ones, and environment-style names
 
 
+def test_a_variable_the_makefile_computes_is_refused_on_the_command_line():
+    """Set on the command line, make would let it replace what the Makefile computes (the job's
+    model override, Docker's GPU facts): refused before anything runs, naming it."""
+    for name in ("JOB_OVERRIDES", "DOCKER_GPU", "MODEL_OVERRIDE"):
+        p = make_n("dryrun", "LOCAL=1", f"{name}=use_unsloth_gc=true")
+        assert p.returncode != 0, p.stdout
+        assert f"{name}: computed inside this Makefile, not a setting" in p.stderr, p.stderr
+        assert 'key=value overrides go in ARGS="key=value ..."' in p.stderr
+    assert make_n("dryrun", "LOCAL=1", "PRESET=B", "ARGS=use_unsloth_gc=true").returncode == 0
+
+
 def fake_docker(tmp_path, compose_v2: bool) -> dict:
     """A PATH whose `docker` answers `info` (an engine, no GPU) and has the Compose v2 plugin or not;
     without it a `docker-compose` (v1, Debian 12's package) is there."""

@@ -1,8 +1,9 @@
 """use_unsloth_gc (offload.py): checkpointed layers' inputs wait in host memory until backward.
 On CPU the same hook runs with "cpu" added to offload.DEVICE_TYPES (a copy to host memory, not
-pinned): the same loss and gradients as plain checkpointing, eager (reentrant) and compiled
-(checkpoint inside), and no layer input left alive on the device between forward and backward.
-On a GPU (bench/h200_levers.sh's GPU tests): the same, over NF4, and a lower peak allocation."""
+pinned): the same loss and gradients as plain checkpointing, eager and compiled (checkpoint
+inside), exactly what was expected moved, and no layer input left alive on the device between
+forward and backward. On a GPU (bench/h200_levers.sh's GPU tests): the same over NF4, and the
+memory held between forward and backward lower by the layer inputs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from tuneledger import compiled, offload
 from tuneledger.config_load import load_config
 
-from test_grouped import DEVICE, NF4_TOL, _has_bnb
+from test_grouped import DEVICE, _has_bnb
 from test_grouped import _model as _fused_model
 from test_speed import IDS, _grads, _worst
 
@@ -36,43 +37,46 @@ def _checkpointed(tiny_model, unsloth_gc: bool, quant: bool = False, compile_lay
 
         _dynamo.reset()
         compiled.compile_layers(m, True, DEVICE, fused=True, quantized=quant, checkpoint=True)
-    else:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": unsloth_gc})
-        m.enable_input_require_grads()
+    else:  # as model.load_model checkpoints: non-reentrant
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.enable_input_require_grads()
     line = offload.offload_layer_inputs(m, unsloth_gc, checkpointing=True)
-    assert line.startswith(f"on ({m.config.num_hidden_layers} checkpointed layer inputs") == unsloth_gc, line
+    assert line.startswith(f"on (the inputs of {m.config.num_hidden_layers} checkpointed layers") == unsloth_gc, line
     return m
 
 
-def _kept_layer_inputs(m) -> int:
-    """How many decoder layers' input tensors are still alive after a training forward (before
-    backward): the ones autograd keeps on the device."""
+def _kept_layer_inputs(m, ids=IDS) -> int:
+    """How many decoder layers' input tensors after the first are still alive after a training
+    forward (before backward): the ones autograd keeps on the device. The first is the
+    embedding's output, a leaf that autograd keeps anyway."""
     refs = []
     hooks = [layer.register_forward_pre_hook(lambda mod, args, kw: refs.append(weakref.ref(
         kw.get("hidden_states", args[0] if args else None))), with_kwargs=True)
         for layer in m.base_model.model.model.layers]
     m.train()
-    out = m(input_ids=IDS.to(DEVICE), labels=IDS.to(DEVICE))
+    out = m(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE))
     for h in hooks:
         h.remove()
     gc.collect()
-    alive = sum(1 for r in refs[1:] if r() is not None)  # [0]: the embedding's output, kept by its own op
+    alive = sum(1 for r in refs[1:] if r() is not None)
     out.loss.backward()
     return alive
 
 
-def test_eager_checkpointing_keeps_no_layer_input_on_the_device_and_the_same_gradients(tiny_model, on_this_device):
-    """Reentrant checkpointing under the hook: the same loss and gradients as transformers'
-    non-reentrant checkpointing, and every layer input after the first handed to host memory."""
+def test_checkpointed_layers_keep_no_input_on_the_device_and_give_the_same_gradients(tiny_model, on_this_device):
+    """Non-reentrant checkpointing under the hook: the same loss and gradients, bit for bit (the
+    values make a round trip through host memory); moved: every layer input but the first (a leaf
+    autograd keeps) and the final norm's input once (it is saved twice); none left alive."""
     n = _fused_model(tiny_model, False).config.num_hidden_layers
     l0, g0 = _grads(_checkpointed(tiny_model, False), IDS)
     l1, g1 = _grads(_checkpointed(tiny_model, True), IDS)
-    assert offload.LAST["tensors"] >= n - 1 and offload.LAST["bytes"] > 0, offload.LAST
-    assert abs(l0 - l1) < 1e-6 * abs(l0), (l0, l1)
-    rel, name = _worst(g0, g1)
-    assert rel < 1e-5, (name, rel)
-    assert _kept_layer_inputs(_checkpointed(tiny_model, False)) == n - 1  # the checkpoint's closure holds them
+    assert offload.LAST["tensors"] == (n - 1) + 1, offload.LAST
+    assert offload.LAST["bytes"] == n * IDS.numel() * 64 * 4, offload.LAST  # fp32 [2, 64, hidden 64]
+    assert l0 == l1, (l0, l1)
+    assert all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert _kept_layer_inputs(_checkpointed(tiny_model, False)) == n - 1  # saved on the device
     assert _kept_layer_inputs(_checkpointed(tiny_model, True)) == 0
+    assert offload.measured().startswith(f"; the last micro-batch moved {n} tensors")
 
 
 def test_evaluation_and_no_grad_pass_the_hook_by(tiny_model, on_this_device):
@@ -85,44 +89,56 @@ def test_evaluation_and_no_grad_pass_the_hook_by(tiny_model, on_this_device):
 
 
 @pytest.mark.slow
-def test_compiled_layers_with_the_checkpoint_inside_offload_the_same_gradients(tiny_model, on_this_device):
+def test_compiled_layers_with_the_checkpoint_inside_move_their_inputs(tiny_model, on_this_device):
     """Compiled layers (checkpoint inside): torch applies the ambient hook to what the compiled
-    function saves, its inputs; the gradients stay eager's."""
-    l0, g0 = _grads(_checkpointed(tiny_model, False), IDS)
+    function saves, its inputs; the gradients are those of the same compiled layers without it."""
+    l0, g0 = _grads(_checkpointed(tiny_model, False, compile_layers=True), IDS)
     m = _checkpointed(tiny_model, True, compile_layers=True)
     l1, g1 = _grads(m, IDS)
-    assert offload.LAST["tensors"] >= m.config.num_hidden_layers - 1, offload.LAST
-    assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
+    if not compiled.compile_stats().get("graphs"):
+        assert not compiled._torch_at_least(compiled.COMPILE_MIN_TORCH), compiled.compile_stats()
+        pytest.skip(f"torch {torch.__version__}: dynamo compiled no layer graph here (graph breaks in transformers' "
+                    "attention lookup); the compiled path is measured from torch 2.9 (compiled.COMPILE_MIN_TORCH)")
+    n = m.config.num_hidden_layers
+    assert offload.LAST["tensors"] >= n - 1, offload.LAST
+    assert _kept_layer_inputs(m) == 0
+    assert abs(l0 - l1) <= 1e-6 * abs(l0), (l0, l1)
     rel, name = _worst(g0, g1)
-    assert rel < 1e-4, (name, rel)
+    assert rel < 1e-6, (name, rel)
 
 
 @pytest.mark.skipif(not (CUDA and _has_bnb()), reason="needs a CUDA GPU and bitsandbytes")
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
-def test_on_a_gpu_over_nf4_the_same_gradients_in_less_memory(tiny_model, monkeypatch, compile_layers):
-    """With the shipped thresholds (CUDA only, 1 MiB): long rows so each layer input is over
-    1 MiB; the same gradients as plain checkpointing within the NF4 path's tolerance and a lower
-    peak allocation."""
-    ids = torch.randint(0, 1000, (4, 2048), generator=torch.Generator().manual_seed(3))
+def test_on_a_gpu_over_nf4_the_same_gradients_and_the_inputs_off_the_gpu(tiny_model, compile_layers):
+    """With the shipped thresholds (CUDA only, 1 MiB): rows long enough that each layer input is
+    1 MiB or more. The same loss (forward values are untouched) and gradients within 1e-3 (SDPA's
+    backward may add in another order between runs); the memory held between forward and backward
+    lower by at least the layer inputs after the first."""
+    ids = torch.randint(0, 1000, (8, 2048), generator=torch.Generator().manual_seed(3))
 
     def run(unsloth_gc: bool):
         m = _checkpointed(tiny_model, unsloth_gc, quant=True, compile_layers=compile_layers)
         _grads(m, ids)  # compile and warm up
         m.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = _grads(m, ids)
+        before = torch.cuda.memory_allocated()
+        out = m(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE))
         torch.cuda.synchronize()
-        return out, torch.cuda.max_memory_allocated() - base
+        held = torch.cuda.memory_allocated() - before
+        out.loss.backward()
+        torch.cuda.synchronize()
+        return out.loss.item(), {k: p.grad.float() for k, p in m.named_parameters() if p.requires_grad}, held
 
-    (l0, g0), peak0 = run(False)
-    (l1, g1), peak1 = run(True)
-    assert offload.LAST["tensors"] >= 1 and offload.LAST["bytes"] >= 1 << 20, offload.LAST
-    assert abs(l0 - l1) < 1e-2 * abs(l0), (l0, l1)
+    l0, g0, held0 = run(False)
+    l1, g1, held1 = run(True)
+    n, hidden = _fused_model(tiny_model, False).config.num_hidden_layers, 64
+    layer_input = ids.numel() * hidden * 2  # bf16
+    assert offload.LAST["tensors"] >= n - 1 and offload.LAST["bytes"] >= (n - 1) * layer_input, offload.LAST
+    assert l0 == l1, (l0, l1)
     rel, name = _worst(g0, g1)
-    assert rel < NF4_TOL, (name, rel)
-    assert peak1 < peak0, (peak0, peak1)
+    assert rel < 1e-3, (name, rel)
+    assert held0 - held1 >= (n - 1) * layer_input, (held0, held1, layer_input)
 
 
 def test_the_key_loads_refuses_fsdp_and_says_when_it_has_nothing_to_do(tiny_model, monkeypatch):
@@ -135,8 +151,8 @@ def test_the_key_loads_refuses_fsdp_and_says_when_it_has_nothing_to_do(tiny_mode
         "off (the layers run on the CPU: their inputs are in host memory already)"
     monkeypatch.setattr(offload, "DEVICE_TYPES", ("cuda", "cpu"))
     model, info = load_model(load_config(None, {**base, "use_unsloth_gc": True}), "cpu")
-    assert info["levers"]["use_unsloth_gc"].startswith(f"on ({model.config.num_hidden_layers} checkpointed layer inputs")
+    assert info["levers"]["use_unsloth_gc"].startswith(f"on (the inputs of {model.config.num_hidden_layers} checkpointed layers")
     assert load_model(load_config(None, {**base, "use_unsloth_gc": True, "gradient_checkpointing": False}), "cpu")[1][
         "levers"]["use_unsloth_gc"].startswith("off (gradient checkpointing is off")
-    with pytest.raises(ConfigError, match="use_unsloth_gc: true is for DDP presets"):
+    with pytest.raises(ConfigError, match="use_unsloth_gc: true is not supported with fsdp"):
         load_config(None, {**base, "use_unsloth_gc": True, "fsdp": "full_shard auto_wrap"})

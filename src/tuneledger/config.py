@@ -82,8 +82,8 @@ class JobConfig(BaseModel):
     # LLaMA-Factory's key: Unsloth's FastLanguageModel as the model backend where Unsloth is installed
     # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above
     use_unsloth: bool = False
-    # LLaMA-Factory's key: checkpointed layers' inputs kept in pinned CPU memory until backward, as
-    # Unsloth's checkpointing does (offload.py): less GPU memory for two PCIe copies a layer
+    # LLaMA-Factory's key: checkpointed layers' inputs kept in pinned host memory until backward, as
+    # Unsloth's checkpointing does (offload.py): less GPU memory for two PCIe copies a layer (not yet measured)
     use_unsloth_gc: bool = False
     # padded micro-batches train without their attention mask (right padding makes causal attention
     # alone exact: rows.padding_mask_lever), so SDPA runs its flash kernel. null: on for right-padded rows
@@ -313,8 +313,7 @@ class JobConfig(BaseModel):
             raise ValueError("nf4_kernel: true needs the fused LoRA projection, but fused_lora is false: unset "
                              "fused_lora (on where it applies) or set nf4_kernel=false")
         if self.use_unsloth_gc and self.sharded:
-            raise ValueError("use_unsloth_gc: true is for DDP presets; with fsdp (preset F) set fsdp_config's "
-                             "offload_params (FSDP's CPU offload) instead, or use_unsloth_gc=false")
+            raise ValueError("use_unsloth_gc: true is not supported with fsdp (preset F) here; set use_unsloth_gc=false")
         if self.compile_cpp_wrapper and self.torch_compile is False:
             raise ValueError("compile_cpp_wrapper: true needs the compiled layers, but torch_compile is false: unset "
                              "torch_compile (on where it applies) or set compile_cpp_wrapper=false")

@@ -151,6 +151,9 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
         from tuneledger import unsloth_backend
 
         model, levers = unsloth_backend.load(cfg, device, dtype)
+        if cfg.use_unsloth_gc:
+            levers["use_unsloth_gc"] = ("on (Unsloth's own checkpointing, which moves the layer inputs to host memory)"
+                                        if cfg.gradient_checkpointing else "off (gradient checkpointing is off)")
         base = model.get_base_model()
         attn = str(getattr(base.config, "_attn_implementation", None) or "sdpa")
         return model, _info(model, cfg, attn, levers, dtype, *_sizes(base))
@@ -185,8 +188,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     # F: FSDP's activation checkpointing wraps each layer instead (the Trainer's own would gather
     # every layer's weights a second time in backward).
     if cfg.gradient_checkpointing and not cfg.sharded:
-        # use_unsloth_gc: the reentrant checkpoint saves its inputs where offload.py's hook sees them
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": cfg.use_unsloth_gc})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Checkpointed blocks need an input that requires grad to have a backward path through frozen
     # embeddings; peft's k-bit preparation does the same.
     model.enable_input_require_grads()

@@ -1,51 +1,58 @@
 """`use_unsloth_gc` (LLaMA-Factory's key): gradient checkpointing whose kept layer inputs wait in
-pinned CPU memory instead of GPU memory, as Unsloth's and LLaMA-Factory's "unsloth" checkpointing do.
+pinned host memory instead of GPU memory, as Unsloth's and LLaMA-Factory's "unsloth" checkpointing do.
 
 Why: with checkpointing, what stays on the GPU between a layer's forward and its backward is the
 layer's input, [micro-batch, T, hidden] bf16 per decoder layer: 28 x 2 x 1,000 x 3,584 x 2 bytes,
-about 0.4 GB, at preset B's micro-batch 2 of 1,000-token rows on Qwen2.5-7B. Unsloth's B keeps
-them on the CPU, and ran in 0.3 GiB less than our B without absmax_once (8.3 against 8.6 GiB;
-bench/results/h100-2026-12-07-call1).
+about 0.4 GB, at preset B's micro-batch 2 of 1,000-token rows on Qwen2.5-7B. Unsloth's B, whose
+checkpointing keeps them on the host, ran in 8.3 GiB against our B's 8.6 without absmax_once
+(bench/results/h100-2026-12-07-call1); that this is where the difference lies is our reading,
+not measured.
 
 How: a saved-tensor hook (torch.autograd.graph.saved_tensors_hooks) around the decoder stack's
 forward copies each [.., T, hidden] floating tensor that autograd keeps (1 MiB or more, contiguous,
-on a CUDA GPU) into pinned host memory without waiting (the copy is queued on the compute stream,
-so the GPU memory is reused only after it), and copies it back when backward unpacks it. What
-autograd keeps there is the layers' inputs only when every layer is checkpointed:
-- compiled layers take their checkpoint inside (compiled.checkpoint_inside): the compiled
-  function saves its inputs for the recompute, and torch applies ambient hooks to them at run time;
-- eager layers: transformers' checkpoint turns reentrant (torch.utils.checkpoint with
-  use_reentrant=True saves its inputs with save_for_backward; the non-reentrant one keeps them in
-  a closure that no hook sees). LLaMA-Factory's use_unsloth_gc is reentrant too.
-The final norm's input is kept the same way (one more tensor). Nothing changes in the arithmetic:
-the same values come back (tests/test_offload.py).
-Cost: two PCIe copies of each layer input a micro-batch, on the compute stream (as Unsloth's).
+on a CUDA GPU) into pinned host memory without a host sync, and back when backward unpacks it.
+Both copies are queued on the compute stream: the GPU block is reused only by later work on that
+stream, after the copy (the GPU waits for the copies; they are not overlapped). With every layer
+checkpointed, what autograd keeps there is the layers' inputs: torch's checkpoint saves its
+positional inputs with save_for_backward (non-reentrant: _NoopSaveInputs; compiled layers, which
+take their checkpoint inside, save them for the recompute), and ambient hooks apply to both.
+Also kept, and moved: the final norm's input. Not moved: a leaf that requires grad (the embedding's
+output under enable_input_require_grads: autograd keeps that tensor anyway). A tensor saved twice in
+one forward is copied once. The same values come back, so the loss and gradients do not change
+(tests/test_offload.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 MIN_BYTES = 1 << 20  # smaller saved tensors (cos/sin, masks, norms' statistics) stay where they are
 DEVICE_TYPES = ("cuda",)  # tests add "cpu" to run the same path without a GPU
-LAST = {"tensors": 0, "bytes": 0}  # what the last training forward offloaded (tests, the ledger's line)
+LAST = {"tensors": 0, "bytes": 0}  # what the last training forward moved to host memory (ledger, tests)
 
 
 class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
     """Saved [.., T, `hidden`] floating tensors of 1 MiB or more go to pinned host memory for backward."""
 
     def __init__(self, hidden: int):
+        seen: dict[tuple, tuple] = {}  # one forward's copies, so a tensor saved twice is copied once
+
         def pack(t: torch.Tensor) -> Any:
             size = t.numel() * t.element_size()
             if (t.device.type not in DEVICE_TYPES or t.dim() < 2 or t.shape[-1] != hidden or not t.is_floating_point()
-                    or size < MIN_BYTES or not t.is_contiguous()):
+                    or size < MIN_BYTES or not t.is_contiguous() or (t.is_leaf and t.requires_grad)):
                 return t
+            key = (t.data_ptr(), t._version, t.dtype, tuple(t.shape))
+            if key in seen and seen[key][0]() is t:  # alive, so its memory cannot have been reused
+                return seen[key][1]
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             host.copy_(t, non_blocking=True)
             LAST["tensors"] += 1
             LAST["bytes"] += size
+            seen[key] = (weakref.ref(t), (host, t.device))
             return host, t.device
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -59,18 +66,16 @@ class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
 
 def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool, sharded: bool = False) -> str:
     """Wrap the decoder stack's forward (the module holding `layers`) of `model` so that, while
-    training with grad, the tensors its checkpointed layers keep go to pinned CPU memory.
+    training with grad, the tensors its checkpointed layers keep go to pinned host memory.
 
-    `wanted`: use_unsloth_gc. Call after the model's gradient checkpointing is set up (eager layers
-    must checkpoint reentrantly: model.load_model does). Returns the ledger's line; raises
-    ValueError when asked for with FSDP (`sharded`: FSDP's own offload applies there)."""
+    `wanted`: use_unsloth_gc. Returns the ledger's line (measured() adds what moved); raises
+    ValueError when asked for with FSDP (`sharded`)."""
     if not wanted:
         return "off"
     if sharded:
-        raise ValueError("use_unsloth_gc: true is for DDP presets; with fsdp (preset F) use fsdp_config's "
-                         "offload_params (FSDP's CPU offload) instead")
+        raise ValueError("use_unsloth_gc: true is not supported with fsdp (preset F) here; set use_unsloth_gc=false")
     if not checkpointing:
-        return "off (gradient checkpointing is off: no layer inputs are kept to offload)"
+        return "off (gradient checkpointing is off: no layer inputs are kept to move)"
     device = next(model.parameters()).device.type
     if device not in DEVICE_TYPES:
         return f"off (the layers run on the {device.upper()}: their inputs are in host memory already)"
@@ -88,5 +93,12 @@ def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool, sharded:
             return forward(*args, **kwargs)
 
     stack.forward = offloaded
-    return (f"on ({len(stack.layers)} checkpointed layer inputs of [.., T, {hidden}] kept in pinned CPU memory, "
-            "copied on the compute stream)")
+    return (f"on (the inputs of {len(stack.layers)} checkpointed layers and the final norm moved to pinned host "
+            "memory until backward, and back; the GPU waits for the copies)")
+
+
+def measured() -> str:
+    """What the last training forward of this process moved, for the ledger's line: "" before one."""
+    if not LAST["tensors"]:
+        return ""
+    return f"; the last micro-batch moved {LAST['tensors']} tensors, {LAST['bytes'] / 2**20:,.0f} MiB (pinned host memory per rank)"

@@ -188,6 +188,10 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         from tuneledger.compiled import compile_stats
 
         info["levers"]["compile_stats"] = compile_stats()
+    if str(info["levers"].get("use_unsloth_gc", "")).startswith("on"):
+        from tuneledger import offload
+
+        info["levers"]["use_unsloth_gc"] += offload.measured()
     warm_compile = None
     if mode == "dryrun" and compiled(info):
         t_warm = time.perf_counter()
