@@ -16,7 +16,12 @@ KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES 
 	DRYRUN_PRESET COMPOSE COMPOSE_FILE TUNELEDGER_GPU HOST_UID HOST_GID MEMLOCK MODELS_DIR DATA_DIR \
 	RUNS_DIR CACHE_DIR BUDGET
 PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
-	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL
+	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL \
+	HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy
+# and every ${NAME} the compose files read (BASE_IMAGE=, FLASH_ATTN_WHEEL_URL=, SHM_SIZE=, ...): the
+# image build and the containers take them from make's environment
+PASSED_VARS += $(shell { cat $(dir $(firstword $(MAKEFILE_LIST)))docker-compose*.yml | grep -oE '\$$\{[A-Za-z_][A-Za-z0-9_]*' \
+	| cut -c3- | sort -u; } 2>/dev/null)
 # A command-line variable that the Makefile computes itself (JOB_OVERRIDES=..., DOCKER_GPU=...)
 # replaces what it computes, by make's rule: refused, naming it, before anything runs.
 INTERNAL_VARS := $(filter-out $(KNOWN_VARS) SHELL,$(shell sed -nE 's/^([A-Za-z_][A-Za-z0-9_]*) *[:?+]?=.*/\1/p' \

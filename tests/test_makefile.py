@@ -189,6 +189,10 @@ def test_a_misspelt_command_line_variable_is_warned_with_the_close_one():
     assert "DATSET (did you mean DATASET?), FOO: unknown to this Makefile, so it changes nothing" in p.stderr
     quiet = make_n("dryrun", "LOCAL=1", "DATASET=x.json", "HF_ENDPOINT=https://hf-mirror.com", "CUDA_VISIBLE_DEVICES=0")
     assert "unknown to this Makefile" not in quiet.stderr  # known ones, and environment-style names
+    # what the compose files read reaches the image build and the containers through make's environment
+    built = make_n("image", "LOCAL=1", "BASE_IMAGE=registry.example.cn/nvidia/cuda:12.1.1-cudnn8-runtime-ubuntu22.04",
+                   "FLASH_ATTN_WHEEL_URL=", "SHM_SIZE=8g", "HTTPS_PROXY=http://proxy:3128")
+    assert "unknown to this Makefile" not in built.stderr, built.stderr
 
 
 def test_a_variable_the_makefile_computes_is_refused_on_the_command_line():
