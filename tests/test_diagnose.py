@@ -244,7 +244,15 @@ def test_a_memory_bound_verdict_names_swiglu_recompute_before_checkpointing():
     row = {"config": {"swiglu_recompute": False}, "model": {"levers": {"fused_lora": "on (196 projections)"}},
            "gradient_checkpointing": False}
     assert memory_levers(row) == ["swiglu_recompute=true"]
-    assert memory_levers({**row, "gradient_checkpointing": True}) == []
+    # with checkpointing on: the layer inputs it keeps could wait in host memory (use_unsloth_gc)
+    assert memory_levers({**row, "gradient_checkpointing": True}) == ["use_unsloth_gc=true"]
+    assert memory_levers({**row, "gradient_checkpointing": True, "config": {"fsdp": "full_shard auto_wrap"}}) == []
+    assert memory_levers({**row, "gradient_checkpointing": True,
+                          "model": {"levers": {"use_unsloth_gc": "on (the inputs of 28 checkpointed layers ...)"}}}) == []
+    gc_on = diagnose({"util_mean_pct": 96, "mem_peak_frac": 0.95, "micro_batch": 1, "gradient_checkpointing": True,
+                      "memory_levers": ["use_unsloth_gc=true"]})
+    assert gc_on["lever"].startswith("use_unsloth_gc=true (the checkpointed layers' inputs wait in pinned host memory")
+    assert "not yet measured" in gc_on["lever"]
     ran = {"fused_lora": "on (196 projections)", "swiglu_recompute": "on (28 MLPs: h = silu(gate) x up remade in backward)"}
     assert memory_levers({**row, "model": {"levers": ran}}) == []  # on (asked, or auto): nothing to name
     assert memory_levers({**row, "model": {"levers": {"fused_lora": "off"}}}) == []

@@ -165,8 +165,7 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
     elif mem is not None and mem >= t.memory_frac:
         kind = "memory-bound"
         why = f"peak memory is {mem:.0%} of the GPU (>= {t.memory_frac:.0%}): no room for a bigger batch, little margin"
-        levers = [f"{k} (one [tokens, intermediate] tensor per layer less kept for backward: D 33.3 -> 27.7 GiB for "
-                  "1% of the step on an H100, docs/speed.md)" for k in inputs.get("memory_levers") or []]
+        levers = [f"{k} ({MEMORY_LEVER_WHY.get(k, 'docs/speed.md')})" for k in inputs.get("memory_levers") or []]
         if gc is False:
             levers.append("gradient checkpointing on")
         if mb is None or mb > 1:
@@ -221,15 +220,27 @@ def _host_lever(mb: Any, gc: Any, mem_note: str, untried: list[str] | None = Non
     return ", ".join(levers[:-1]) + ", or " + levers[-1]
 
 
+MEMORY_LEVER_WHY = {  # what a memory-bound verdict says of each lever it names
+    "swiglu_recompute=true": "one [tokens, intermediate] tensor per layer less kept for backward: D 33.3 -> 27.7 GiB "
+                             "for 1% of the step on an H100, docs/speed.md",
+    "use_unsloth_gc=true": "the checkpointed layers' inputs wait in pinned host memory until backward, two PCIe "
+                           "copies a layer; not yet measured on a GPU, docs/speed.md",
+}
+
+
 def memory_levers(row: dict) -> list[str]:
     """The memory levers (docs/speed.md) that a dry-run row ran without and could take, as
     "key=true": swiglu_recompute where the LoRA projections are fused and checkpointing is off
     (with it on, a layer's activations are remade anyway) but it did not run (set false, or a
-    ledger from before it was on where it applies). [] when none."""
+    ledger from before it was on where it applies); use_unsloth_gc where checkpointing is on,
+    the base is not sharded (FSDP) and it did not run. [] when none."""
     levers = (row.get("model") or {}).get("levers") or {}
     if (not str(levers.get("swiglu_recompute", "")).startswith("on") and row.get("gradient_checkpointing") is False
             and str(levers.get("fused_lora", "")).startswith("on")):
         return ["swiglu_recompute=true"]
+    if (row.get("gradient_checkpointing") is True and not (row.get("config") or {}).get("fsdp")
+            and not str(levers.get("use_unsloth_gc", "")).startswith("on")):
+        return ["use_unsloth_gc=true"]
     return []
 
 
