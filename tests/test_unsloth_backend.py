@@ -110,3 +110,7 @@ def test_load_model_goes_through_fastlanguagemodel(fake_unsloth, tiny_model):
     x = torch.randint(0, 100, (1, 16))
     model(input_ids=x, labels=x).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+    # use_unsloth_gc beside it (a LLaMA-Factory config sets both): Unsloth's checkpointing does it, said
+    assert "use_unsloth_gc" not in info["levers"]
+    info = load_model(cfg.model_copy(update={"use_unsloth_gc": True}), "cpu")[1]
+    assert info["levers"]["use_unsloth_gc"].startswith("on (Unsloth's own checkpointing")
