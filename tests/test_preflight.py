@@ -101,3 +101,31 @@ def test_hub_id_offline_says_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(PreflightError, match="Qwen/Qwen2.5-7B-Instruct: no such directory, and the hub is offline.*make fetch.*HF_ENDPOINT"):
         run_checks(cfg_for("Qwen/Qwen2.5-7B-Instruct", tmp_path), cuda=False)
+
+
+def test_use_unsloth_gc_pinned_host_memory_is_checked_against_what_the_host_has(monkeypatch, tmp_path):
+    """Qwen2.5-7B's 28 layers x micro-batch 2 x cutoff_len 2048 x hidden 3584 x 2 bytes = 0.82 GB
+    pinned a rank; 8 GPUs: 6.6 GB. Refused above 80% of MemAvailable, said otherwise, and nothing
+    to check without the lever, without checkpointing or on a CPU."""
+    import torch
+
+    from tuneledger import preflight_checks
+    from tuneledger.config_load import load_config
+    from tuneledger.model import PreflightError
+
+    qwen = {"num_hidden_layers": 28, "hidden_size": 3584}
+    cfg = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "use_unsloth_gc": True,
+                             "per_device_train_batch_size": 2, "cutoff_len": 2048})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(preflight_checks, "mem_available", lambda: 64 * 10**9)
+    line = preflight_checks.check_host_memory(cfg, qwen, cuda=True)
+    assert line == ("host memory: use_unsloth_gc pins up to 0.82 GB a rank (layers x micro-batch x cutoff_len x hidden, "
+                    "bf16), 6.6 GB for 8 GPUs of 64.0 GB available"), line
+    monkeypatch.setattr(preflight_checks, "mem_available", lambda: 8 * 10**9)
+    with pytest.raises(PreflightError, match=r"6.6 GB for 8 GPUs, over 80% of the 8.0 GB the host has available: "
+                                             r"set use_unsloth_gc=false"):
+        preflight_checks.check_host_memory(cfg, qwen, cuda=True)
+    assert preflight_checks.check_host_memory(cfg, qwen, cuda=False) is None
+    assert preflight_checks.check_host_memory(cfg.model_copy(update={"use_unsloth_gc": False}), qwen, cuda=True) is None
+    assert preflight_checks.check_host_memory(cfg.model_copy(update={"gradient_checkpointing": False}), qwen, cuda=True) is None
+    assert isinstance(preflight_checks.mem_available(), (int, type(None)))

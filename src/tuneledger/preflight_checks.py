@@ -10,6 +10,7 @@ runs them all; dryrun and train run them before anything heavy, in prepare.prepa
   15 GB are downloaded);
 - every lora_target name is a layer of the model (checked on an empty copy: a misspelt name
   failed inside every rank of every preset, after the weights loaded);
+- use_unsloth_gc: the pinned host memory it takes fits the host's available memory;
 - before all of these, in dryrun and train: the dataset files are there (check_data; a missing one
   is bad input: DataError, exit 2).
 """
@@ -169,7 +170,39 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False) -
     lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
               check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_sharding(cfg),
               check_lora_target(cfg), check_disk(cfg, config, dryrun)]
-    return lines
+    return lines + [line for line in [check_host_memory(cfg, config, cuda)] if line]
+
+
+def mem_available() -> int | None:
+    """The host's MemAvailable in bytes (/proc/meminfo), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(cfg: JobConfig, config: dict, cuda: bool) -> str | None:
+    """use_unsloth_gc pins each rank's checkpointed layer inputs in host memory: at most layers x
+    micro-batch x cutoff_len x hidden x 2 bytes (bf16) a rank, x this host's GPUs. Raises
+    PreflightError above 80% of MemAvailable (cudaHostAlloc would fail mid-run, or the host swap);
+    None when the lever has nothing to do here."""
+    if not (cfg.use_unsloth_gc and cfg.gradient_checkpointing and cuda and not cfg.sharded):
+        return None
+    import torch
+
+    ranks = max(1, torch.cuda.device_count())
+    per_rank = (int(config.get("num_hidden_layers") or 0) * cfg.per_device_train_batch_size * cfg.cutoff_len
+                * int(config.get("hidden_size") or 0) * 2)
+    free = mem_available()
+    said = (f"host memory: use_unsloth_gc pins up to {per_rank / 1e9:.2g} GB a rank (layers x micro-batch x cutoff_len "
+            f"x hidden, bf16), {ranks * per_rank / 1e9:.2g} GB for {plural(ranks, 'GPU')}")
+    if free is not None and ranks * per_rank > 0.8 * free:
+        raise PreflightError(f"{said}, over 80% of the {free / 1e9:.1f} GB the host has available: set use_unsloth_gc=false, "
+                             "a smaller per_device_train_batch_size or cutoff_len, or free host memory")
+    return said + (f" of {free / 1e9:.1f} GB available" if free is not None else "")
 
 
 # The layer types peft's LoRA wraps (Conv1D: GPT-2's linear layers).
