@@ -214,8 +214,7 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
                                levers["fused_lora"].startswith("on"), bool(cfg.quantization_bit),
                                checkpoint=cfg.gradient_checkpointing and not cfg.sharded and compiled.checkpoint_inside_wanted(),
                                cpp_wrapper=cfg.compile_cpp_wrapper)
-    levers["use_unsloth_gc"] = _lever(offload.offload_layer_inputs, model, cfg.use_unsloth_gc,
-                                      cfg.gradient_checkpointing, cfg.sharded)
+    levers["use_unsloth_gc"] = _lever(offload.offload_layer_inputs, model, cfg.use_unsloth_gc, cfg.gradient_checkpointing)
     if ab := env_levers.active():  # make bench's A/B variables: every row says how it ran
         unused = compiled.cudagraphs_wanted() and not compiled.cudagraphs_on()
         unguarded = env_levers.value("TUNELEDGER_GUARDS") and not levers["compile"].startswith("on")

@@ -64,16 +64,14 @@ class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool, sharded: bool = False) -> str:
+def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool) -> str:
     """Wrap the decoder stack's forward (the module holding `layers`) of `model` so that, while
     training with grad, the tensors its checkpointed layers keep go to pinned host memory.
 
-    `wanted`: use_unsloth_gc. Returns the ledger's line (measured() adds what moved); raises
-    ValueError when asked for with FSDP (`sharded`)."""
+    `wanted`: use_unsloth_gc (JobConfig refuses it with fsdp as the config loads). Returns the
+    ledger's line (measured() adds what moved); raises ValueError for a model without `layers`."""
     if not wanted:
         return "off"
-    if sharded:
-        raise ValueError("use_unsloth_gc: true is not supported with fsdp (preset F) here; set use_unsloth_gc=false")
     if not checkpointing:
         return "off (gradient checkpointing is off: no layer inputs are kept to move)"
     device = next(model.parameters()).device.type

@@ -173,15 +173,11 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False) -
     return lines + [line for line in [check_host_memory(cfg, config, cuda)] if line]
 
 
-def mem_available() -> int | None:
-    """The host's MemAvailable in bytes (/proc/meminfo), None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+def mem_available() -> int:
+    """The host memory available to new processes without swapping, in bytes (psutil; Linux's MemAvailable)."""
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def check_host_memory(cfg: JobConfig, config: dict, cuda: bool) -> str | None:
@@ -189,7 +185,7 @@ def check_host_memory(cfg: JobConfig, config: dict, cuda: bool) -> str | None:
     micro-batch x cutoff_len x hidden x 2 bytes (bf16) a rank, x this host's GPUs. Raises
     PreflightError above 80% of MemAvailable (cudaHostAlloc would fail mid-run, or the host swap);
     None when the lever has nothing to do here."""
-    if not (cfg.use_unsloth_gc and cfg.gradient_checkpointing and cuda and not cfg.sharded):
+    if not (cfg.use_unsloth_gc and cfg.gradient_checkpointing and cuda):  # (fsdp with it is refused as the config loads)
         return None
     import torch
 
@@ -199,10 +195,10 @@ def check_host_memory(cfg: JobConfig, config: dict, cuda: bool) -> str | None:
     free = mem_available()
     said = (f"host memory: use_unsloth_gc pins up to {per_rank / 1e9:.2g} GB a rank (layers x micro-batch x cutoff_len "
             f"x hidden, bf16), {ranks * per_rank / 1e9:.2g} GB for {plural(ranks, 'GPU')}")
-    if free is not None and ranks * per_rank > 0.8 * free:
+    if ranks * per_rank > 0.8 * free:
         raise PreflightError(f"{said}, over 80% of the {free / 1e9:.1f} GB the host has available: set use_unsloth_gc=false, "
                              "a smaller per_device_train_batch_size or cutoff_len, or free host memory")
-    return said + (f" of {free / 1e9:.1f} GB available" if free is not None else "")
+    return f"{said} of {free / 1e9:.1f} GB available"
 
 
 # The layer types peft's LoRA wraps (Conv1D: GPT-2's linear layers).
