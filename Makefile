@@ -5,33 +5,38 @@
 #   Several nodes (train, dryrun; docs/multi-node.md): NNODES=N NODE_RANK=R RDZV_ENDPOINT=host:port [MAX_RESTARTS=3]
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
+# This file, read before any other (MAKEFILES=, -f) can follow it in MAKEFILE_LIST
+override THIS_MAKEFILE := $(lastword $(MAKEFILE_LIST))
 
 # A misspelt variable on the command line (`make dryrun DATSET=x`) is defined and used by nothing:
 # the job ran on the demo data without a word. Warn, naming the known variable closest to it.
 # Environment-style names (HF_ENDPOINT=, CUDA_VISIBLE_DEVICES=, ...) reach the verbs' environment
 # (make exports command-line variables) and are not checked.
-KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES NODE_RANK RDZV_ENDPOINT \
+override KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARGS NNODES NODE_RANK RDZV_ENDPOINT \
 	MAX_RESTARTS LOCAL CHECKPOINT OUT PROMPT QUANT QUANT_ARGS INTERVAL PYTEST_ARGS UPGRADE BENCH_RUNS \
 	GGUF DEADLINE CAP PYTHON VENV VENV_TORCH TORCH_CPU_INDEX PYTHON_QUANT VENV_QUANT QUANT_TORCH_INDEX SYNTH \
 	DRYRUN_PRESET COMPOSE COMPOSE_FILE TUNELEDGER_GPU HOST_UID HOST_GID MEMLOCK MODELS_DIR DATA_DIR \
 	RUNS_DIR CACHE_DIR BUDGET
-PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
+override PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
 	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL \
 	HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy
-# and every ${NAME} the compose files read (BASE_IMAGE=, FLASH_ATTN_WHEEL_URL=, SHM_SIZE=, ...): the
-# image build and the containers take them from make's environment
-PASSED_VARS += $(shell { cat $(dir $(firstword $(MAKEFILE_LIST)))docker-compose*.yml | grep -oE '\$$\{[A-Za-z_][A-Za-z0-9_]*' \
-	| cut -c3- | sort -u; } 2>/dev/null)
+# and every ${NAME} the compose files and make bench's scripts read (BASE_IMAGE=, SHM_SIZE=,
+# UNSLOTH_PROFILE=, PROFILE_RUN=, ...): the image build, the containers and bench/*.sh take them
+# from make's environment
+override PASSED_VARS += $(shell { cat $(dir $(THIS_MAKEFILE))docker-compose*.yml $(dir $(THIS_MAKEFILE))bench/*.sh \
+	| grep -oE '\$$\{[A-Za-z_][A-Za-z0-9_]*' | cut -c3- | sort -u; } 2>/dev/null) PYTHONPATH ALL_PROXY all_proxy
 # A command-line variable that the Makefile computes itself (JOB_OVERRIDES=..., DOCKER_GPU=...)
-# replaces what it computes, by make's rule: refused, naming it, before anything runs.
-INTERNAL_VARS := $(filter-out $(KNOWN_VARS) SHELL,$(shell sed -nE 's/^([A-Za-z_][A-Za-z0-9_]*) *[:?+]?=.*/\1/p' \
-	$(firstword $(MAKEFILE_LIST))))
-INTERNAL_SET := $(strip $(foreach v,$(INTERNAL_VARS),$(if $(filter command line,$(origin $(v))),$(v))))
+# replaces what it computes, by make's rule (and `make -e` lets the environment do so): refused,
+# naming it, before anything runs.
+override INTERNAL_VARS := $(sort $(filter-out $(KNOWN_VARS) SHELL THIS_MAKEFILE,$(shell sed -nE \
+	's/^(override +)?([A-Za-z_][A-Za-z0-9_]*) *[:?+]?=.*/\2/p' $(THIS_MAKEFILE))))
+override INTERNAL_SET := $(strip $(foreach v,$(INTERNAL_VARS),$(if $(filter command_line environment_override,$(subst \
+	$() ,_,$(origin $(v)))),$(v))))
 ifneq ($(INTERNAL_SET),)
 $(error tuneledger: $(INTERNAL_SET): computed inside this Makefile, not a setting: on the command line it would replace \
 	what the Makefile computes. `make help` lists the settings; key=value overrides go in ARGS="key=value ...")
 endif
-UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(PASSED_VARS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
+override UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(PASSED_VARS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 ifneq ($(UNKNOWN_VARS),)
 UNKNOWN_SAID := $(shell command -v python3 >/dev/null && python3 -c 'import difflib, sys; k = sys.argv[2].split(); \
 	print(", ".join(u + "".join(f" (did you mean {c}?)" for c in difflib.get_close_matches(u, k, 1, 0.6)) \

@@ -193,6 +193,8 @@ def test_a_misspelt_command_line_variable_is_warned_with_the_close_one():
     built = make_n("image", "LOCAL=1", "BASE_IMAGE=registry.example.cn/nvidia/cuda:12.1.1-cudnn8-runtime-ubuntu22.04",
                    "FLASH_ATTN_WHEEL_URL=", "SHM_SIZE=8g", "HTTPS_PROXY=http://proxy:3128")
     assert "unknown to this Makefile" not in built.stderr, built.stderr
+    bench = make_n("bench", "LOCAL=1", "UNSLOTH_PROFILE=1", "PROFILE_RUN=", "PYTHONPATH=/opt/unsloth")  # bench/*.sh reads them
+    assert "unknown to this Makefile" not in bench.stderr, bench.stderr
 
 
 def test_a_variable_the_makefile_computes_is_refused_on_the_command_line():
@@ -204,6 +206,11 @@ def test_a_variable_the_makefile_computes_is_refused_on_the_command_line():
         assert f"{name}: computed inside this Makefile, not a setting" in p.stderr, p.stderr
         assert 'key=value overrides go in ARGS="key=value ..."' in p.stderr
     assert make_n("dryrun", "LOCAL=1", "PRESET=B", "ARGS=use_unsloth_gc=true").returncode == 0
+    # named once, and found with another makefile read first (MAKEFILES=); the check's own variables cannot turn it off
+    p = make_n("dryrun", "LOCAL=1", "MODEL_OVERRIDE=x", env={"MAKEFILES": "/dev/null"})
+    assert "tuneledger: MODEL_OVERRIDE: computed inside" in p.stderr and p.returncode != 0, p.stderr
+    p = make_n("dryrun", "LOCAL=1", "INTERNAL_SET=", "INTERNAL_VARS=", "JOB_OVERRIDES=foo")
+    assert p.returncode != 0 and "JOB_OVERRIDES" in p.stderr and " foo" not in p.stdout, (p.stdout, p.stderr)
 
 
 def fake_docker(tmp_path, compose_v2: bool) -> dict:
