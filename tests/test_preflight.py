@@ -119,12 +119,19 @@ def test_use_unsloth_gc_pinned_host_memory_is_checked_against_what_the_host_has(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(preflight_checks, "mem_available", lambda: 64 * 10**9)
     line = preflight_checks.check_host_memory(cfg, qwen, cuda=True)
-    assert line == ("host memory: use_unsloth_gc pins up to 0.82 GB a rank (layers x micro-batch x cutoff_len x hidden, "
-                    "bf16), 6.6 GB for 8 GPUs of 64.0 GB available"), line
+    # 2 x 2048 x 3584 x 2 bytes = 29.4 MB, a 33.6 MB block; x 29 = 0.97 GB a rank
+    assert line == ("host memory: use_unsloth_gc pins about 1.0 GB a rank ((layers + 1) x micro-batch x cutoff_len x "
+                    "hidden, bf16, in power-of-two blocks), 7.8 GB for 8 GPUs of 64.0 GB available"), line
     monkeypatch.setattr(preflight_checks, "mem_available", lambda: 8 * 10**9)
-    with pytest.raises(PreflightError, match=r"6.6 GB for 8 GPUs, over 80% of the 8.0 GB the host has available: "
+    with pytest.raises(PreflightError, match=r"7.8 GB for 8 GPUs, over 80% of the 8.0 GB the host has available: "
                                              r"set use_unsloth_gc=false"):
         preflight_checks.check_host_memory(cfg, qwen, cuda=True)
+    monkeypatch.setattr(preflight_checks, "mem_available", lambda: 64 * 10**9)
+    assert "1.9 GB a rank" in preflight_checks.check_host_memory(cfg.model_copy(update={"bf16": False}), qwen, cuda=True)
+    assert "not estimated (config.json gives no num_hidden_layers and hidden_size)" in \
+        preflight_checks.check_host_memory(cfg, {"n_layer": 12, "n_embd": 768}, cuda=True)
+    assert "moves nothing here (each layer input, 0.03 MiB, is under 1 MiB)" in preflight_checks.check_host_memory(
+        cfg.model_copy(update={"cutoff_len": 128}), {"num_hidden_layers": 2, "hidden_size": 64}, cuda=True)
     assert preflight_checks.check_host_memory(cfg, qwen, cuda=False) is None
     assert preflight_checks.check_host_memory(cfg.model_copy(update={"use_unsloth_gc": False}), qwen, cuda=True) is None
     assert preflight_checks.check_host_memory(cfg.model_copy(update={"gradient_checkpointing": False}), qwen, cuda=True) is None

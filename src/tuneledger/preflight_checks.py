@@ -181,20 +181,30 @@ def mem_available() -> int:
 
 
 def check_host_memory(cfg: JobConfig, config: dict, cuda: bool) -> str | None:
-    """use_unsloth_gc pins each rank's checkpointed layer inputs in host memory: at most layers x
-    micro-batch x cutoff_len x hidden x 2 bytes (bf16) a rank, x this host's GPUs. Raises
-    PreflightError above 80% of MemAvailable (cudaHostAlloc would fail mid-run, or the host swap);
-    None when the lever has nothing to do here."""
+    """use_unsloth_gc pins each rank's checkpointed layer inputs and the final norm's input in host
+    memory: about (layers + 1) x micro-batch x cutoff_len x hidden values a rank (bf16: 2 bytes,
+    else 4), each block rounded up to a power of two as torch's pinned-memory cache allocates it,
+    x this host's GPUs. Raises PreflightError above 80% of the available host memory (the pinning
+    would fail mid-run, or the host swap); None when the lever has nothing to do here."""
     if not (cfg.use_unsloth_gc and cfg.gradient_checkpointing and cuda):  # (fsdp with it is refused as the config loads)
         return None
     import torch
 
+    from tuneledger.offload import MIN_BYTES
+
+    layers, hidden = config.get("num_hidden_layers"), config.get("hidden_size")
+    if not (layers and hidden):
+        return ("host memory: use_unsloth_gc's pinned memory not estimated (config.json gives no "
+                "num_hidden_layers and hidden_size); the ledger's use_unsloth_gc line says what a micro-batch moved")
+    one = cfg.per_device_train_batch_size * cfg.cutoff_len * int(hidden) * (2 if cfg.bf16 else 4)
+    if one < MIN_BYTES:
+        return f"host memory: use_unsloth_gc moves nothing here (each layer input, {one / 2**20:.2f} MiB, is under 1 MiB)"
+    per_rank = (int(layers) + 1) * (1 << (one - 1).bit_length())
     ranks = max(1, torch.cuda.device_count())
-    per_rank = (int(config.get("num_hidden_layers") or 0) * cfg.per_device_train_batch_size * cfg.cutoff_len
-                * int(config.get("hidden_size") or 0) * 2)
     free = mem_available()
-    said = (f"host memory: use_unsloth_gc pins up to {per_rank / 1e9:.2g} GB a rank (layers x micro-batch x cutoff_len "
-            f"x hidden, bf16), {ranks * per_rank / 1e9:.2g} GB for {plural(ranks, 'GPU')}")
+    said = (f"host memory: use_unsloth_gc pins about {per_rank / 1e9:,.1f} GB a rank ((layers + 1) x micro-batch x "
+            f"cutoff_len x hidden, {'bf16' if cfg.bf16 else 'fp32'}, in power-of-two blocks), "
+            f"{ranks * per_rank / 1e9:,.1f} GB for {plural(ranks, 'GPU')}")
     if ranks * per_rank > 0.8 * free:
         raise PreflightError(f"{said}, over 80% of the {free / 1e9:.1f} GB the host has available: set use_unsloth_gc=false, "
                              "a smaller per_device_train_batch_size or cutoff_len, or free host memory")
