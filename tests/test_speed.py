@@ -261,7 +261,8 @@ def _grads(m, ids, seed: int = 7):
     x = ids.to(next(m.parameters()).device)
     loss = m(input_ids=x, labels=x).loss
     loss.backward()
-    return loss.item(), {n: p.grad.float() for n, p in m.named_parameters() if p.requires_grad}
+    # a copy: .float() of an fp32 grad is the grad itself, which a later backward would add to
+    return loss.item(), {n: p.grad.detach().float().clone() for n, p in m.named_parameters() if p.requires_grad}
 
 
 def _worst(g0: dict, g1: dict) -> tuple[float, str]:
