@@ -104,9 +104,10 @@ def test_hub_id_offline_says_how_to_fix(tmp_path, monkeypatch):
 
 
 def test_use_unsloth_gc_pinned_host_memory_is_checked_against_what_the_host_has(monkeypatch, tmp_path):
-    """Qwen2.5-7B's 28 layers x micro-batch 2 x cutoff_len 2048 x hidden 3584 x 2 bytes = 0.82 GB
-    pinned a rank; 8 GPUs: 6.6 GB. Refused above 80% of MemAvailable, said otherwise, and nothing
-    to check without the lever, without checkpointing or on a CPU."""
+    """Qwen2.5-7B's (28 + 1) blocks of micro-batch 2 x cutoff_len 2048 x hidden 3584 x 2 bytes
+    (29.4 MB, a 33.6 MB power-of-two block) = 1.0 GB pinned a rank; 8 ranks: 7.8 GB. Counted for
+    the ranks this host starts (nproc), not its GPUs. Refused above 80% of MemAvailable, said
+    otherwise, and nothing to check without the lever, without checkpointing or on a CPU."""
     import torch
 
     from tuneledger import preflight_checks
@@ -121,11 +122,14 @@ def test_use_unsloth_gc_pinned_host_memory_is_checked_against_what_the_host_has(
     line = preflight_checks.check_host_memory(cfg, qwen, cuda=True)
     # 2 x 2048 x 3584 x 2 bytes = 29.4 MB, a 33.6 MB block; x 29 = 0.97 GB a rank
     assert line == ("host memory: use_unsloth_gc pins about 1.0 GB a rank ((layers + 1) x micro-batch x cutoff_len x "
-                    "hidden, bf16, in power-of-two blocks), 7.8 GB for 8 GPUs of 64.0 GB available"), line
+                    "hidden, bf16, in power-of-two blocks), 7.8 GB for 8 ranks on this host of 64.0 GB available"), line
     monkeypatch.setattr(preflight_checks, "mem_available", lambda: 8 * 10**9)
-    with pytest.raises(PreflightError, match=r"7.8 GB for 8 GPUs, over 80% of the 8.0 GB the host has available: "
+    with pytest.raises(PreflightError, match=r"7.8 GB for 8 ranks on this host, over 80% of the 8.0 GB the host has available: "
                                              r"set use_unsloth_gc=false"):
         preflight_checks.check_host_memory(cfg, qwen, cuda=True)
+    # nproc=2 on the 8-GPU host: two ranks pin 1.9 GB, under 80% of 8 GB
+    assert preflight_checks.check_host_memory(cfg, qwen, cuda=True, ranks_here=2).endswith(
+        "1.9 GB for 2 ranks on this host of 8.0 GB available")
     monkeypatch.setattr(preflight_checks, "mem_available", lambda: 64 * 10**9)
     assert "1.9 GB a rank" in preflight_checks.check_host_memory(cfg.model_copy(update={"bf16": False}), qwen, cuda=True)
     assert "not estimated (config.json gives no num_hidden_layers and hidden_size)" in \

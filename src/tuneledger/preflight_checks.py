@@ -156,9 +156,10 @@ def check_data(cfg: JobConfig) -> None:
             raise DataError(f"eval_dataset: {e}") from None
 
 
-def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False) -> list[str]:
+def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False, ranks_here: int | None = None) -> list[str]:
     """Run every check; return one line per check (`dryrun`: the disk check counts its one timed
-    save). Raises PreflightError on the first failure."""
+    save; `ranks_here`: the ranks this host starts, nproc; None: one per visible GPU). Raises
+    PreflightError on the first failure."""
     config = read_model_config(cfg.model_name_or_path)  # first: a missing model is said before torch loads
     if cuda is None:
         import torch
@@ -170,7 +171,7 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False) -
     lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
               check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_sharding(cfg),
               check_lora_target(cfg), check_disk(cfg, config, dryrun)]
-    return lines + [line for line in [check_host_memory(cfg, config, cuda)] if line]
+    return lines + [line for line in [check_host_memory(cfg, config, cuda, ranks_here)] if line]
 
 
 def mem_available() -> int:
@@ -180,11 +181,11 @@ def mem_available() -> int:
     return psutil.virtual_memory().available
 
 
-def check_host_memory(cfg: JobConfig, config: dict, cuda: bool) -> str | None:
+def check_host_memory(cfg: JobConfig, config: dict, cuda: bool, ranks_here: int | None = None) -> str | None:
     """use_unsloth_gc pins each rank's checkpointed layer inputs and the final norm's input in host
     memory: about (layers + 1) x micro-batch x cutoff_len x hidden values a rank (bf16: 2 bytes,
     else 4), each block rounded up to a power of two as torch's pinned-memory cache allocates it,
-    x this host's GPUs. Raises PreflightError above 80% of the available host memory (the pinning
+    x the ranks this host starts (`ranks_here`, nproc; None: its visible GPUs). Raises PreflightError above 80% of the available host memory (the pinning
     would fail mid-run, or the host swap); None when the lever has nothing to do here."""
     if not (cfg.use_unsloth_gc and cfg.gradient_checkpointing and cuda):  # (fsdp with it is refused as the config loads)
         return None
@@ -200,11 +201,11 @@ def check_host_memory(cfg: JobConfig, config: dict, cuda: bool) -> str | None:
     if one < MIN_BYTES:
         return f"host memory: use_unsloth_gc moves nothing here (each layer input, {one / 2**20:.2f} MiB, is under 1 MiB)"
     per_rank = (int(layers) + 1) * (1 << (one - 1).bit_length())
-    ranks = max(1, torch.cuda.device_count())
+    ranks = max(1, ranks_here or torch.cuda.device_count())
     free = mem_available()
     said = (f"host memory: use_unsloth_gc pins about {per_rank / 1e9:,.1f} GB a rank ((layers + 1) x micro-batch x "
             f"cutoff_len x hidden, {'bf16' if cfg.bf16 else 'fp32'}, in power-of-two blocks), "
-            f"{ranks * per_rank / 1e9:,.1f} GB for {plural(ranks, 'GPU')}")
+            f"{ranks * per_rank / 1e9:,.1f} GB for {plural(ranks, 'rank')} on this host")
     if ranks * per_rank > 0.8 * free:
         raise PreflightError(f"{said}, over 80% of the {free / 1e9:.1f} GB the host has available: set use_unsloth_gc=false, "
                              "a smaller per_device_train_batch_size or cutoff_len, or free host memory")

@@ -163,7 +163,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
     world = nodes.world_size(nproc)
     out = cfg.out_dir
     try:
-        prep = prepare_for_training(cfg, cpu, startup, world)
+        prep = prepare_for_training(cfg, cpu, startup, world, ranks_here=nproc)
         eval_prep = prepare_eval(cfg)
     except PreflightError as e:  # a DataError is bad input: cli.main says it and exits 2
         print(f"tuneledger train: {e}", file=sys.stderr)

@@ -264,7 +264,7 @@ def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> i
     check_data(cfg)
     # What would fail every candidate fails once, here (4-bit on a CPU, a lora_target that is not
     # a layer, no room for a save), not once per candidate.
-    run_checks(cfg, cuda=not cpu, dryrun=True)
+    run_checks(cfg, cuda=not cpu, dryrun=True, ranks_here=nproc)
     budget_gib = None if cpu else (args.memory_gib or card_memory_gib(nproc))
     tune_dir = cfg.out_dir / "tune"
     tune_dir.mkdir(parents=True, exist_ok=True)
