@@ -27,10 +27,12 @@ override PASSED_VARS += $(shell { cat $(dir $(THIS_MAKEFILE))docker-compose*.yml
 	| grep -oE '\$$\{[A-Za-z_][A-Za-z0-9_]*' | cut -c3- | sort -u; } 2>/dev/null) PYTHONPATH ALL_PROXY all_proxy
 # A command-line variable that the Makefile computes itself (JOB_OVERRIDES=..., DOCKER_GPU=...)
 # replaces what it computes, by make's rule (and `make -e` lets the environment do so): refused,
-# naming it, before anything runs.
+# naming it, before anything runs. Under -e an environment variable's origin reads "environment"
+# until the Makefile assigns it (then "environment override"), so it counts as set from the start.
+override ENV_WINS := $(if $(findstring e,$(firstword -$(MAKEFLAGS))),environment)
 override INTERNAL_VARS := $(sort $(filter-out $(KNOWN_VARS) SHELL THIS_MAKEFILE,$(shell sed -nE \
 	's/^(override +)?([A-Za-z_][A-Za-z0-9_]*) *[:?+]?=.*/\2/p' $(THIS_MAKEFILE))))
-override INTERNAL_SET := $(strip $(foreach v,$(INTERNAL_VARS),$(if $(filter command_line environment_override,$(subst \
+override INTERNAL_SET := $(strip $(foreach v,$(INTERNAL_VARS),$(if $(filter command_line environment_override $(ENV_WINS),$(subst \
 	$() ,_,$(origin $(v)))),$(v))))
 ifneq ($(INTERNAL_SET),)
 $(error tuneledger: $(INTERNAL_SET): computed inside this Makefile, not a setting: on the command line it would replace \

@@ -211,6 +211,13 @@ def test_a_variable_the_makefile_computes_is_refused_on_the_command_line():
     assert "tuneledger: MODEL_OVERRIDE: computed inside" in p.stderr and p.returncode != 0, p.stderr
     p = make_n("dryrun", "LOCAL=1", "INTERNAL_SET=", "INTERNAL_VARS=", "JOB_OVERRIDES=foo")
     assert p.returncode != 0 and "JOB_OVERRIDES" in p.stderr and " foo" not in p.stdout, (p.stdout, p.stderr)
+    # `make -e` (or MAKEFLAGS=e) lets the environment replace what the Makefile computes: refused the same way
+    for args, env in ((["-e"], {"JOB_OVERRIDES": "foo"}), ([], {"JOB_OVERRIDES": "foo", "MAKEFLAGS": "e"})):
+        p = make_n(*args, "dryrun", "LOCAL=1", env=env)
+        assert p.returncode != 0 and "JOB_OVERRIDES: computed inside" in p.stderr and " foo" not in p.stdout, (p.stdout, p.stderr)
+    p = make_n("dryrun", "LOCAL=1", env={"JOB_OVERRIDES": "foo"})  # without -e the Makefile's own value wins
+    assert p.returncode == 0 and " foo" not in p.stdout, (p.stdout, p.stderr)
+    assert make_n("-e", "dryrun", "LOCAL=1", env={"PRESET": "B"}).returncode == 0  # a setting from the environment is fine
 
 
 def fake_docker(tmp_path, compose_v2: bool) -> dict:
