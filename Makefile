@@ -20,11 +20,12 @@ override KNOWN_VARS := CONFIG PRESET MODEL DATASET RUN MAX_STEPS STEPS NPROC ARG
 override PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% PYTORCH_% OMP_% TUNELEDGER_% \
 	MODELSCOPE_% USE_MODELSCOPE_HUB TOKENIZERS_% WANDB_% DOCKER_% COMPOSE_% PIP_% APT_% IMAGE_% MAKE% SHELL \
 	HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy
-# and every ${NAME} the compose files and make bench's scripts read (BASE_IMAGE=, SHM_SIZE=,
-# UNSLOTH_PROFILE=, PROFILE_RUN=, ...): the image build, the containers and bench/*.sh take them
-# from make's environment
-override PASSED_VARS += $(shell { cat $(dir $(THIS_MAKEFILE))docker-compose*.yml $(dir $(THIS_MAKEFILE))bench/*.sh \
-	| grep -oE '\$$\{[A-Za-z_][A-Za-z0-9_]*' | cut -c3- | sort -u; } 2>/dev/null) PYTHONPATH ALL_PROXY all_proxy
+# and every ${NAME} the compose files read (BASE_IMAGE=, SHM_SIZE=, ...: the image build and the
+# containers take them from make's environment), and what `make bench`'s bench/h200_levers.sh reads
+# that its recipe does not set (BENCH_ENV_VARS; tests/test_makefile.py keeps the list whole)
+override BENCH_ENV_VARS := UNSLOTH_PROFILE PROFILE_RUN FLAGS WARMUP COMPILE_CHECK GC_CHECK PYTHONPATH
+override PASSED_VARS += $(shell { cat $(dir $(THIS_MAKEFILE))docker-compose*.yml \
+	| grep -oE '\$$\{[A-Za-z_][A-Za-z0-9_]*' | cut -c3- | sort -u; } 2>/dev/null) $(BENCH_ENV_VARS) ALL_PROXY all_proxy
 # A command-line variable that the Makefile computes itself (JOB_OVERRIDES=..., DOCKER_GPU=...)
 # replaces what it computes, by make's rule (and `make -e` lets the environment do so): refused,
 # naming it, before anything runs. Under -e an environment variable's origin reads "environment"
@@ -38,6 +39,9 @@ ifneq ($(INTERNAL_SET),)
 $(error tuneledger: $(INTERNAL_SET): computed inside this Makefile, not a setting: on the command line it would replace \
 	what the Makefile computes. `make help` lists the settings; key=value overrides go in ARGS="key=value ...")
 endif
+# Without -e, an environment variable of such a name is still read where this Makefile leaves it
+# unassigned (DOCKER_FACTS under LOCAL=1 decided HAS_GPU): dropped.
+$(foreach v,$(INTERNAL_VARS),$(if $(filter environment,$(origin $(v))),$(eval undefine $(v))))
 override UNKNOWN_VARS := $(filter-out $(KNOWN_VARS) $(PASSED_VARS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 ifneq ($(UNKNOWN_VARS),)
 UNKNOWN_SAID := $(shell command -v python3 >/dev/null && python3 -c 'import difflib, sys; k = sys.argv[2].split(); \

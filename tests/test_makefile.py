@@ -197,7 +197,23 @@ def test_a_misspelt_command_line_variable_is_warned_with_the_close_one():
     assert "unknown to this Makefile" not in bench.stderr, bench.stderr
 
 
-def test_a_variable_the_makefile_computes_is_refused_on_the_command_line():
+def test_the_bench_variables_passed_through_are_what_its_script_reads_and_its_recipe_leaves():
+    """BENCH_ENV_VARS (not warned as unknown) is exactly what bench/h200_levers.sh takes from its
+    environment (${NAME:-...}, ${NAME-...}, ${NAME:+...}) less what `make bench`'s recipe sets and the
+    Makefile's own settings; a name that only another bench script reads (PRESETS=) is still warned."""
+    make = (ROOT / "Makefile").read_text()
+    listed = set(re.search(r"override BENCH_ENV_VARS := (.*)", make).group(1).split())
+    recipe = make.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    set_by_recipe = set(re.findall(r"(?:^|[\s)])([A-Z_][A-Z0-9_]*)=", recipe))
+    set_by_recipe.add("GPU_TEST_FILES")  # read only under GPU_TESTS=1, which the recipe turns off
+    known = set(re.search(r"KNOWN_VARS := (.*?)(?<!\\)\n", make, re.S).group(1).replace("\\\n", " ").split())
+    script = (ROOT / "bench" / "h200_levers.sh").read_text()
+    read = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*):?[-+]", script))
+    assert listed == read - set_by_recipe - known, (listed, read - set_by_recipe - known)
+    assert "PRESETS (did you mean PRESET?): unknown" in make_n("dryrun", "LOCAL=1", "PRESETS=B").stderr
+
+
+def test_a_variable_the_makefile_computes_is_refused_on_the_command_line(tmp_path):
     """Set on the command line, make would let it replace what the Makefile computes (the job's
     model override, Docker's GPU facts): refused before anything runs, naming it."""
     for name in ("JOB_OVERRIDES", "DOCKER_GPU", "MODEL_OVERRIDE"):
@@ -218,6 +234,16 @@ def test_a_variable_the_makefile_computes_is_refused_on_the_command_line():
     p = make_n("dryrun", "LOCAL=1", env={"JOB_OVERRIDES": "foo"})  # without -e the Makefile's own value wins
     assert p.returncode == 0 and " foo" not in p.stdout, (p.stdout, p.stderr)
     assert make_n("-e", "dryrun", "LOCAL=1", env={"PRESET": "B"}).returncode == 0  # a setting from the environment is fine
+    # without -e, a computed name in the environment is not read where the Makefile leaves it unset
+    # (the Docker facts under LOCAL=1 once made a CPU machine pick the 7B GPU job)
+    import os
+
+    no_gpu = tmp_path / "bin"  # an nvidia-smi that finds no GPU, on a GPU machine too
+    no_gpu.mkdir()
+    (no_gpu / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (no_gpu / "nvidia-smi").chmod(0o755)
+    p = make_n("dryrun", "LOCAL=1", env={"DOCKER_FACTS": "gpu=nvidia", "DOCKER_HAS_GPU": "1", "PATH": f"{no_gpu}:{os.environ['PATH']}"})
+    assert p.returncode == 0 and "configs/tiny.yaml" in verb_line(p.stdout, "dryrun"), (p.stdout, p.stderr)
 
 
 def fake_docker(tmp_path, compose_v2: bool) -> dict:
