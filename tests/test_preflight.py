@@ -122,14 +122,16 @@ def test_use_unsloth_gc_pinned_host_memory_is_checked_against_what_the_host_has(
     line = preflight_checks.check_host_memory(cfg, qwen, cuda=True)
     # 2 x 2048 x 3584 x 2 bytes = 29.4 MB, a 33.6 MB block; x 29 = 0.97 GB a rank
     assert line == ("host memory: use_unsloth_gc pins about 1.0 GB a rank ((layers + 1) x micro-batch x cutoff_len x "
-                    "hidden, bf16, in power-of-two blocks), 7.8 GB for 8 ranks on this host of 64.0 GB available"), line
+                    "hidden, bf16, in power-of-two blocks), 7.8 GB for 8 ranks on this host (up to twice that over rows of many "
+                    "lengths: torch's pinned cache keeps blocks of each power of two it was asked for) of 64.0 GB available"), line
     monkeypatch.setattr(preflight_checks, "mem_available", lambda: 8 * 10**9)
-    with pytest.raises(PreflightError, match=r"7.8 GB for 8 ranks on this host, over 80% of the 8.0 GB the host has available: "
+    with pytest.raises(PreflightError, match=r"7.8 GB for 8 ranks on this host \(up to twice .*\), over 80% of the 8.0 GB the host has available: "
                                              r"set use_unsloth_gc=false"):
         preflight_checks.check_host_memory(cfg, qwen, cuda=True)
     # nproc=2 on the 8-GPU host: two ranks pin 1.9 GB, under 80% of 8 GB
     assert preflight_checks.check_host_memory(cfg, qwen, cuda=True, ranks_here=2).endswith(
-        "1.9 GB for 2 ranks on this host of 8.0 GB available")
+        "1.9 GB for 2 ranks on this host (up to twice that over rows of many lengths: torch's pinned cache keeps blocks "
+        "of each power of two it was asked for) of 8.0 GB available")
     monkeypatch.setattr(preflight_checks, "mem_available", lambda: 64 * 10**9)
     assert "1.9 GB a rank" in preflight_checks.check_host_memory(cfg.model_copy(update={"bf16": False}), qwen, cuda=True)
     assert "not estimated (config.json gives no num_hidden_layers and hidden_size)" in \
@@ -139,5 +141,32 @@ def test_use_unsloth_gc_pinned_host_memory_is_checked_against_what_the_host_has(
     assert preflight_checks.check_host_memory(cfg, qwen, cuda=False) is None
     assert preflight_checks.check_host_memory(cfg.model_copy(update={"use_unsloth_gc": False}), qwen, cuda=True) is None
     assert preflight_checks.check_host_memory(cfg.model_copy(update={"gradient_checkpointing": False}), qwen, cuda=True) is None
+    # a dry-run of several presets names the one refused, and says the others can still be dry-run
+    monkeypatch.setattr(preflight_checks, "mem_available", lambda: 8 * 10**9)
+    b = load_config(None, {"model_name_or_path": "m", "dataset": ["x.json"], "use_unsloth_gc": True, "preset": "B",
+                           "cutoff_len": 2048})
+    with pytest.raises(PreflightError, match=r"^host memory \(preset B\): use_unsloth_gc pins .*7.8 GB for 8 ranks.*"
+                                             r"or dry-run the other presets \(--preset\)$"):
+        preflight_checks.check_host_memory(b, qwen, cuda=True, named=True)
     monkeypatch.undo()
     assert 0 < preflight_checks.mem_available() < 2**50  # bytes, as psutil reads them here
+
+
+def test_host_memory_is_checked_for_each_preset_that_will_run(tiny_model, tmp_path, monkeypatch):
+    """A dry-run passes its resolved presets (jobs): each is checked with its own micro-batch, not
+    the config as written (micro-batch 1 where B runs 2); tune passes none (each candidate's dry-run
+    checks itself); train, the config alone."""
+    from tuneledger import preflight_checks
+
+    seen = []
+    monkeypatch.setattr(preflight_checks, "check_host_memory",
+                        lambda job, config, cuda, ranks, named=False: seen.append((job.preset, job.per_device_train_batch_size, named)))
+    cfg = cfg_for(tiny_model, tmp_path)
+    jobs = [cfg_for(tiny_model, tmp_path, preset=p) for p in ("A", "B")]
+    run_checks(cfg, cuda=False, jobs=jobs)
+    assert seen == [("A", 1, True), ("B", 2, True)]
+    seen.clear()
+    run_checks(cfg, cuda=False, jobs=[])
+    assert seen == []
+    run_checks(cfg, cuda=False)
+    assert seen == [(None, 1, False)]

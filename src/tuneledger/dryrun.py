@@ -257,7 +257,8 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
         raise errors[0]
     out_root = base.out_dir
     try:
-        prep = prepare_for_training(base, cpu, startup, world, dryrun=True, ranks_here=nproc)
+        prep = prepare_for_training(base, cpu, startup, world, dryrun=True, ranks_here=nproc,
+                                    jobs=[cfg for _, cfg in planned if not isinstance(cfg, ConfigError)])
         if not prep.from_cache:
             # The train after this dry-run finds the cache made now: time that load, not the tokenizing.
             t0 = time.perf_counter()

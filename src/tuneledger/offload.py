@@ -17,7 +17,9 @@ checkpointed, what autograd keeps there is the layers' inputs: torch's checkpoin
 positional inputs with save_for_backward (non-reentrant: _NoopSaveInputs; compiled layers, which
 take their checkpoint inside, save them for the recompute), and ambient hooks apply to both.
 Also kept, and moved: the final norm's input. Not moved: a leaf that requires grad (the embedding's
-output under enable_input_require_grads: autograd keeps that tensor anyway). A tensor saved twice in
+output under enable_input_require_grads: autograd keeps that tensor anyway), and the model's own
+weights and buffers (a compiled layer saves a frozen bf16 weight it needs in backward as is: it
+stays on the GPU anyway). A tensor saved twice in
 one forward is copied once. The same values come back, so the loss and gradients do not change
 (tests/test_offload.py).
 """
@@ -35,15 +37,18 @@ LAST = {"tensors": 0, "bytes": 0}  # what the last training forward moved to hos
 
 
 class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
-    """Saved [.., T, `hidden`] floating tensors of 1 MiB or more go to pinned host memory for backward."""
+    """Saved [.., T, `hidden`] floating tensors of 1 MiB or more go to pinned host memory for backward;
+    `weights`: the storage addresses (untyped_storage().data_ptr()) of tensors to leave in place,
+    the model's parameters and buffers."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, weights: frozenset[int] = frozenset()):
         seen: dict[tuple, tuple] = {}  # one forward's copies, so a tensor saved twice is copied once
 
         def pack(t: torch.Tensor) -> Any:
             size = t.numel() * t.element_size()
             if (t.device.type not in DEVICE_TYPES or t.dim() < 2 or t.shape[-1] != hidden or not t.is_floating_point()
-                    or size < MIN_BYTES or not t.is_contiguous() or (t.is_leaf and t.requires_grad)):
+                    or size < MIN_BYTES or not t.is_contiguous() or (t.is_leaf and t.requires_grad)
+                    or t.untyped_storage().data_ptr() in weights):
                 return t
             key = (t.data_ptr(), t._version, t.dtype, tuple(t.shape))
             if key in seen and seen[key][0]() is t:  # alive, so its memory cannot have been reused
@@ -81,13 +86,15 @@ def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool) -> str:
     if stack is None:
         raise ValueError("use_unsloth_gc: no decoder layers (a `layers` ModuleList) found")
     hidden = int(model.config.hidden_size)
+    # after grouping and compiling (model.load_model wraps last), so the laid-out weights are these
+    weights = frozenset(t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()))
     forward = stack.forward
 
     def offloaded(*args: Any, **kwargs: Any) -> Any:
         if not (stack.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         LAST.update(tensors=0, bytes=0)
-        with OffloadLayerInputs(hidden):
+        with OffloadLayerInputs(hidden, weights):
             return forward(*args, **kwargs)
 
     stack.forward = offloaded

@@ -156,10 +156,13 @@ def check_data(cfg: JobConfig) -> None:
             raise DataError(f"eval_dataset: {e}") from None
 
 
-def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False, ranks_here: int | None = None) -> list[str]:
+def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False, ranks_here: int | None = None,
+               jobs: list[JobConfig] | None = None) -> list[str]:
     """Run every check; return one line per check (`dryrun`: the disk check counts its one timed
-    save; `ranks_here`: the ranks this host starts, nproc; None: one per visible GPU). Raises
-    PreflightError on the first failure."""
+    save; `ranks_here`: the ranks this host starts, nproc; None: one per visible GPU; `jobs`: the
+    configs that will run, a dry-run's resolved presets, for the checks that depend on a preset's
+    own settings (host memory); None: `cfg` alone; []: none here, each run checks itself, as tune's
+    candidates do). Raises PreflightError on the first failure."""
     config = read_model_config(cfg.model_name_or_path)  # first: a missing model is said before torch loads
     if cuda is None:
         import torch
@@ -171,7 +174,8 @@ def run_checks(cfg: JobConfig, cuda: bool | None = None, dryrun: bool = False, r
     lines += [check_remote_code(config, cfg.model_name_or_path, cfg.trust_remote_code),
               check_logging(cfg), check_bitsandbytes(cfg, cuda), check_levers(cfg, cuda), check_sharding(cfg),
               check_lora_target(cfg), check_disk(cfg, config, dryrun)]
-    return lines + [line for line in [check_host_memory(cfg, config, cuda, ranks_here)] if line]
+    return lines + [line for job in (jobs if jobs is not None else [cfg])
+                    if (line := check_host_memory(job, config, cuda, ranks_here, named=jobs is not None and len(jobs) > 1))]
 
 
 def mem_available() -> int:
@@ -181,34 +185,41 @@ def mem_available() -> int:
     return psutil.virtual_memory().available
 
 
-def check_host_memory(cfg: JobConfig, config: dict, cuda: bool, ranks_here: int | None = None) -> str | None:
+def check_host_memory(cfg: JobConfig, config: dict, cuda: bool, ranks_here: int | None = None,
+                      named: bool = False) -> str | None:
     """use_unsloth_gc pins each rank's checkpointed layer inputs and the final norm's input in host
     memory: about (layers + 1) x micro-batch x cutoff_len x hidden values a rank (bf16: 2 bytes,
-    else 4), each block rounded up to a power of two as torch's pinned-memory cache allocates it,
-    x the ranks this host starts (`ranks_here`, nproc; None: its visible GPUs). Raises PreflightError above 80% of the available host memory (the pinning
-    would fail mid-run, or the host swap); None when the lever has nothing to do here."""
+    else 4), each block rounded up to a power of two as torch's pinned-memory cache allocates it
+    (it keeps freed blocks per power of two: rows of many lengths can leave up to twice that pinned),
+    x the ranks this host starts (`ranks_here`, nproc; None: its visible GPUs). `named`: the line
+    and error name cfg's preset (a dry-run of several). Raises PreflightError above 80% of the
+    available host memory (the pinning would fail mid-run, or the host swap); None when the lever
+    has nothing to do here."""
     if not (cfg.use_unsloth_gc and cfg.gradient_checkpointing and cuda):  # (fsdp with it is refused as the config loads)
         return None
     import torch
 
     from tuneledger.offload import MIN_BYTES
 
+    what = f"host memory{f' (preset {cfg.preset})' if named and cfg.preset else ''}:"
     layers, hidden = config.get("num_hidden_layers"), config.get("hidden_size")
     if not (layers and hidden):
-        return ("host memory: use_unsloth_gc's pinned memory not estimated (config.json gives no "
+        return (f"{what} use_unsloth_gc's pinned memory not estimated (config.json gives no "
                 "num_hidden_layers and hidden_size); the ledger's use_unsloth_gc line says what a micro-batch moved")
     one = cfg.per_device_train_batch_size * cfg.cutoff_len * int(hidden) * (2 if cfg.bf16 else 4)
     if one < MIN_BYTES:
-        return f"host memory: use_unsloth_gc moves nothing here (each layer input, {one / 2**20:.2f} MiB, is under 1 MiB)"
+        return f"{what} use_unsloth_gc moves nothing here (each layer input, {one / 2**20:.2f} MiB, is under 1 MiB)"
     per_rank = (int(layers) + 1) * (1 << (one - 1).bit_length())
     ranks = max(1, ranks_here or torch.cuda.device_count())
     free = mem_available()
-    said = (f"host memory: use_unsloth_gc pins about {per_rank / 1e9:,.1f} GB a rank ((layers + 1) x micro-batch x "
+    said = (f"{what} use_unsloth_gc pins about {per_rank / 1e9:,.1f} GB a rank ((layers + 1) x micro-batch x "
             f"cutoff_len x hidden, {'bf16' if cfg.bf16 else 'fp32'}, in power-of-two blocks), "
-            f"{ranks * per_rank / 1e9:,.1f} GB for {plural(ranks, 'rank')} on this host")
+            f"{ranks * per_rank / 1e9:,.1f} GB for {plural(ranks, 'rank')} on this host (up to twice that over rows of "
+            "many lengths: torch's pinned cache keeps blocks of each power of two it was asked for)")
     if ranks * per_rank > 0.8 * free:
         raise PreflightError(f"{said}, over 80% of the {free / 1e9:.1f} GB the host has available: set use_unsloth_gc=false, "
-                             "a smaller per_device_train_batch_size or cutoff_len, or free host memory")
+                             "a smaller per_device_train_batch_size or cutoff_len, or free host memory"
+                             + ("; or dry-run the other presets (--preset)" if named else ""))
     return f"{said} of {free / 1e9:.1f} GB available"
 
 

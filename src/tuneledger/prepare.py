@@ -259,11 +259,12 @@ def checked_tokenizer(cfg: JobConfig, model_checked: bool = False) -> Any:
 
 
 def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None, world: int = 1,
-                         dryrun: bool = False, ranks_here: int | None = None) -> Prepared:
+                         dryrun: bool = False, ranks_here: int | None = None, jobs: list[JobConfig] | None = None) -> Prepared:
     """What dry-run and train do before any rank starts: the preflight checks (printed), the
     tokenized data (from the cache, or made now, in this process), and the data gate.
     `timings`, if given, gets preflight_s and data_s (seconds, for the ETA); `dryrun`: the disk
-    check counts the dry-run's saves, not the run's; `ranks_here`: the ranks this host starts (nproc).
+    check counts the dry-run's saves, not the run's; `ranks_here`: the ranks this host starts (nproc);
+    `jobs`: the configs that will run (a dry-run's presets; preflight_checks.run_checks).
 
     Raises PreflightError, DataError, or DataError with the gate's reason.
     """
@@ -272,7 +273,7 @@ def prepare_for_training(cfg: JobConfig, cpu: bool, timings: dict | None = None,
     from tuneledger.preflight_checks import run_checks
 
     t0 = time.perf_counter()
-    for line in run_checks(cfg, cuda=not cpu, dryrun=dryrun, ranks_here=ranks_here):
+    for line in run_checks(cfg, cuda=not cpu, dryrun=dryrun, ranks_here=ranks_here, jobs=jobs):
         print(f"preflight ok: {line}")
     t1 = time.perf_counter()
     prep = load_prepared(cfg, model_checked=True)

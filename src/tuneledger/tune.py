@@ -263,8 +263,9 @@ def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> i
     locate_model(cfg.model_name_or_path)
     check_data(cfg)
     # What would fail every candidate fails once, here (4-bit on a CPU, a lora_target that is not
-    # a layer, no room for a save), not once per candidate.
-    run_checks(cfg, cuda=not cpu, dryrun=True, ranks_here=nproc)
+    # a layer, no room for a save), not once per candidate; what depends on a candidate's own
+    # micro-batch and checkpointing (use_unsloth_gc's host memory) its dry-run checks (jobs=[]).
+    run_checks(cfg, cuda=not cpu, dryrun=True, ranks_here=nproc, jobs=[])
     budget_gib = None if cpu else (args.memory_gib or card_memory_gib(nproc))
     tune_dir = cfg.out_dir / "tune"
     tune_dir.mkdir(parents=True, exist_ok=True)
