@@ -170,3 +170,21 @@ def test_host_memory_is_checked_for_each_preset_that_will_run(tiny_model, tmp_pa
     assert seen == []
     run_checks(cfg, cuda=False)
     assert seen == [(None, 1, False)]
+
+
+def test_the_preflight_verb_takes_the_ranks_this_host_will_start(monkeypatch, capsys):
+    """`tuneledger preflight --nproc N` counts use_unsloth_gc's host memory for N ranks, as dryrun and
+    train do with theirs; without it, one per visible GPU (None)."""
+    import argparse
+
+    from tuneledger import preflight
+
+    seen = []
+    monkeypatch.setattr(preflight, "run_checks", lambda cfg, cuda, ranks_here=None: seen.append((cuda, ranks_here)) or ["x"])
+    parser = argparse.ArgumentParser()
+    preflight.add_parser(parser.add_subparsers())
+    for argv, want in ((["preflight", "--nproc", "2", "model_name_or_path=m", "dataset=x.json"], (None, 2)),
+                       (["preflight", "--cpu", "model_name_or_path=m", "dataset=x.json"], (False, None))):
+        args = parser.parse_args(argv)
+        assert args.func(args) == 0 and seen.pop() == want
+    assert "ok  x" in capsys.readouterr().out

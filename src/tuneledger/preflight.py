@@ -15,7 +15,7 @@ from tuneledger.preflight_checks import run_checks
 def run(args: argparse.Namespace) -> int:
     cfg = from_cli(args.items)
     try:
-        for line in run_checks(cfg, None if not args.cpu else False):
+        for line in run_checks(cfg, None if not args.cpu else False, ranks_here=args.nproc):
             print(f"ok  {line}")
     except PreflightError as e:
         print(f"FAIL {e}")
@@ -28,4 +28,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     add_preset_option(p)
     p.add_argument("--cpu", action="store_true", help="check as for a CPU run")
+    p.add_argument("--nproc", type=int, help="ranks this host will start, for the host-memory check (default: one per visible GPU)")
     p.set_defaults(func=run)
