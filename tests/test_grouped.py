@@ -14,6 +14,7 @@ from tuneledger import compiled, fused_lora, grouped
 from tuneledger.config_load import load_config
 
 import test_speed as speed_tests  # its loss-and-gradient helpers (tests/ is on the path)
+from test_nf4_kernel import stand_in_nested
 from test_speed import IDS, _worst
 
 CUDA = torch.cuda.is_available()
@@ -192,6 +193,61 @@ def test_a_laid_out_group_dequantized_in_torch_ops_is_bitsandbytes_weight(tiny_m
     got = grouped._base(members, tuple(metas), g.w, g.absmax, g.layout)
     assert calls == [g.w.shape]  # one call, on the whole laid-out tensor
     assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def nested_model(tmp_path_factory) -> Path:
+    """A random Qwen2 whose q/k/v and gate/up weights are whole numbers of double quantization's
+    nested blocks (256 x 64 weights): hidden 256, k/v 128, intermediate 128 (the tiny model's are not)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256)
+    out = tmp_path_factory.mktemp("models") / "nested"
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.mark.skipif(not _has_bnb(), reason="needs bitsandbytes")
+def test_double_quantized_groups_lay_out_their_8bit_scales_for_the_nf4_kernel(nested_model, monkeypatch):
+    """Without absmax_once, a group whose members are whole nested blocks lays out the 8-bit scales,
+    their fp32 scales (views, as the weights) and one offset per nested block, and the NF4 kernel
+    rebuilds the scales in the one dequantization of the group: the loss and gradients equal the
+    per-member path's (each member's scales rebuilt by bitsandbytes and concatenated) exactly."""
+    from tuneledger import nf4_kernel
+
+    nf4_kernel.use(False, quantized=True)
+    per_member = _model(nested_model, True, True)
+    assert _group_of(per_member).absmax2 is not None  # laid out, but the kernel is off: per member
+    l0, g0 = _grads(per_member)
+    calls: list = []
+    monkeypatch.setattr(nf4_kernel, "dequantize_nested", stand_in_nested(calls))
+    monkeypatch.setattr(nf4_kernel, "dequantize", lambda w, a, c, bs, shape, dt:
+                        torch.ops.bitsandbytes.dequantize_4bit(w, a, bs, "nf4", shape, dt))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets applies() take CPU tensors
+    monkeypatch.setattr(nf4_kernel, "why_not", lambda: None)
+    monkeypatch.setattr(nf4_kernel, "self_check", lambda nested=False: None)
+    assert nf4_kernel.use(None, quantized=True).endswith("double quantization's scales in the same kernel)")
+    try:
+        m = _model(nested_model, True, True)
+        for attr, k in (("q_proj", 3), ("gate_proj", 2)):
+            g = _group_of(m, attr=attr)
+            qss = [mem.get_base_layer().weight.quant_state for mem in g.members]
+            assert g.absmax.dtype == torch.uint8 and g.layout[1] == 256 and len(qss) == k
+            assert all(q.absmax.untyped_storage().data_ptr() == g.absmax.untyped_storage().data_ptr() for q in qss)
+            assert all(q.state2.absmax.untyped_storage().data_ptr() == g.absmax2.untyped_storage().data_ptr() for q in qss)
+            want = torch.cat([q.offset.reshape(1).expand(q.state2.absmax.numel()) for q in qss])
+            assert torch.equal(g.offset, want) and len(set(g.offset.tolist())) == k  # each member's own
+        l1, g1 = _grads(m)
+    finally:
+        nf4_kernel.use(False, quantized=True)
+    # forward and backward: q/k/v and gate/up once each, an offset per nested block; o and down
+    # (not grouped) with their one offset
+    assert sorted(set(calls)) == [((256, 128), 1), ((256, 256), 1), ((256, 256), 4), ((512, 256), 8)], sorted(set(calls))
+    assert len(calls) == 8 * len(m.base_model.model.model.layers), calls
+    assert l1 == l0
+    assert all(torch.equal(g0[k], g1[k]) for k in g0), [k for k in g0 if not torch.equal(g0[k], g1[k])][:3]
 
 
 def test_a_group_that_cannot_be_laid_out_concatenates_per_call_and_says_so(tiny_model):

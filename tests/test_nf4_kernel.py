@@ -1,7 +1,13 @@
-"""nf4_kernel: our Triton NF4 dequantization gives bitsandbytes' weight bit for bit, on CPU through
-Triton's interpreter (TRITON_INTERPRET=1) and on a CUDA GPU against bitsandbytes' own kernel
-(bench/h200_levers.sh runs this file there); the fused projection calls it and its loss and
-gradients do not change; the lever's line says what it did and True is refused where it cannot run.
+"""nf4_kernel: our Triton NF4 dequantization gives bitsandbytes' weight bit for bit, plain and under
+double quantization (dequantize_nested), on CPU through Triton's interpreter (TRITON_INTERPRET=1)
+against bitsandbytes' arithmetic written in torch ops, and on a CUDA GPU against bitsandbytes' own
+kernels (bench/h200_levers.sh runs this file there); compiled for a GPU, the nested kernel's add is
+not fused into an fma; the fused projection calls it and its loss and gradients do not change; the
+lever's line says what it did and True is refused where it cannot run.
+
+On CPU the reference is not bitsandbytes' CPU op: where torch reports AVX512, bitsandbytes 0.50 runs
+a native kernel that gave other fp16 bits at blocksize 128 (an AMD EPYC, 2026-12-07: 736 of 6,144
+weights) than its CUDA kernel's arithmetic, which the torch-ops reference is.
 
 Triton 3.1 (the lock's, torch 2.5.1's) interprets on CPU only with numpy < 2, and the lock has
 numpy 2.2: the interpreted kernel runs in a subprocess with numpy 1.26 put first on its path
@@ -36,31 +42,68 @@ def _has_triton() -> bool:
 
 
 needs_triton = pytest.mark.skipif(not _has_triton(), reason="needs Triton with tl.join (the lock's triton 3.1)")
-CASES = [
+CASES = [  # (shape [out, in], blocksize, dtype)
     ((64, 128), 64, torch.bfloat16),    # one tile, partly filled (a tile is 64 blocks)
     ((3584, 40), 64, torch.bfloat16),   # 2,240 blocks: 35 tiles
     ((96, 40), 64, torch.bfloat16),     # 60 blocks: the one tile's last rows masked
     ((96, 64), 128, torch.float16),     # another block size and dtype
     ((32, 64), 64, torch.float32),
 ]
+# Double quantization (nested blocks of 256 scales): one partly filled nested block, several, and a
+# weight that ends inside one.
+NESTED_CASES = [((64, 128), 64, torch.bfloat16), ((3584, 40), 64, torch.bfloat16), ((96, 200), 64, torch.float16)]
 RUN_INTERPRETED = """
 import sys, torch
 from tuneledger import nf4_kernel
 assert nf4_kernel.use(None, quantized=True).startswith("on")  # its self_check passed here too
-cases = torch.load(sys.argv[1])
-torch.save([nf4_kernel.dequantize(*c) for c in cases], sys.argv[2])
+cases, nested = torch.load(sys.argv[1])
+torch.save(([nf4_kernel.dequantize(*c) for c in cases], [nf4_kernel.dequantize_nested(*c) for c in nested]), sys.argv[2])
 """
 
 
-def _quantized(shape, blocksize, dtype, device):
+def _reference(packed, absmax, code, blocksize, shape, dtype) -> torch.Tensor:
+    """bitsandbytes' NF4 arithmetic (its CUDA kDequantizeBlockwise) in torch ops: code[q] x absmax in
+    fp32, rounded once to `dtype`; high nibble first."""
+    b = packed.view(torch.uint8).reshape(-1)
+    q = torch.stack((b >> 4, b & 15), dim=-1).reshape(-1).long()
+    return (code.float()[q] * absmax.float().repeat_interleave(blocksize)).to(dtype).reshape(shape)
+
+
+def _quantized(shape, blocksize, dtype, device, nested: bool = False):
+    """(bitsandbytes' weight, the kernel's arguments) for a random weight quantized on `device`; on a
+    CPU the weight is _reference's. `nested`: double quantization, dequantize_nested's arguments."""
     import bitsandbytes.functional as bf
 
     g = torch.Generator().manual_seed(5)
     # Spread over nine decades, with exact zeros, so every code and rounding path is hit.
     w = (torch.randn(shape, generator=g) * torch.logspace(-6, 3, shape[1])).to(dtype)
     w[0, :7] = 0
-    packed, qs = bf.quantize_4bit(w.to(device), quant_type="nf4", compress_statistics=False, blocksize=blocksize)
-    return bf.dequantize_4bit(packed, qs), (packed, qs.absmax, qs.code, blocksize, list(shape), dtype)
+    packed, qs = bf.quantize_4bit(w.to(device), quant_type="nf4", compress_statistics=nested, blocksize=blocksize)
+    if nested:
+        args = (packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.code, blocksize,
+                qs.state2.blocksize, list(shape), dtype)
+    else:
+        args = (packed, qs.absmax, qs.code, blocksize, list(shape), dtype)
+    if device != "cpu":
+        return bf.dequantize_4bit(packed, qs), args
+    absmax = qs.absmax
+    if nested:  # bitsandbytes' two steps: the 8-bit scales' dequantization, then + offset, each rounded
+        s2 = qs.state2
+        absmax = s2.code[qs.absmax.long()] * s2.absmax.repeat_interleave(s2.blocksize)[:qs.absmax.numel()]
+        absmax = absmax + qs.offset
+    return _reference(packed, absmax, qs.code, blocksize, list(shape), dtype), args
+
+
+def stand_in_nested(calls: list):
+    """nf4_kernel.dequantize_nested in bitsandbytes' ops, for the wiring tests on CPU (its own bits
+    are this file's interpreted and GPU tests'): the 8-bit scales rebuilt by bitsandbytes, then
+    each nested block's offset added (one offset: all blocks'). Appends (shape, offsets) to `calls`."""
+    def dequantize_nested(w, qabsmax, absmax2, code2, offset, code, blocksize, blocksize2, shape, dtype):
+        calls.append((tuple(shape), offset.numel()))
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise(qabsmax, absmax2, code2, blocksize2, torch.float32)
+        absmax = absmax + (offset if offset.numel() == 1 else offset.repeat_interleave(blocksize2)[:absmax.numel()])
+        return torch.ops.bitsandbytes.dequantize_4bit(w, absmax, blocksize, "nf4", shape, dtype)
+    return dequantize_nested
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -82,40 +125,98 @@ def test_same_bits_as_bitsandbytes_interpreted_on_cpu(tmp_path):
             pytest.skip(f"{INTERP_NUMPY} is missing: `make test` installs numpy 1.26 there for Triton 3.1's interpreter")
         env["PYTHONPATH"] = os.pathsep.join([str(INTERP_NUMPY)] + [p for p in [env.get("PYTHONPATH")] if p])
     made = [_quantized(*c, "cpu") for c in CASES]
-    torch.save([args for _, args in made], tmp_path / "in.pt")
+    nested = [_quantized(*c, "cpu", nested=True) for c in NESTED_CASES]
+    torch.save(([args for _, args in made], [args for _, args in nested]), tmp_path / "in.pt")
     p = subprocess.run([sys.executable, "-c", RUN_INTERPRETED, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    for (want, _), got, case in zip(made, torch.load(tmp_path / "out.pt"), CASES):
+    got_plain, got_nested = torch.load(tmp_path / "out.pt")
+    assert len(got_plain) == len(CASES) and len(got_nested) == len(NESTED_CASES)
+    for (want, _), got, case in zip(made + nested, got_plain + got_nested, CASES + NESTED_CASES):
         assert got.dtype == want.dtype and got.shape == want.shape, case
         assert torch.equal(_bits(got), _bits(want)), (case, (got.float() - want.float()).abs().max())
+
+
+def test_the_cpu_reference_is_bitsandbytes_arithmetic():
+    """_reference against bitsandbytes' own generic (torch) implementation, which its CPU op uses
+    without AVX512: the same bits, so the interpreted test compares with bitsandbytes' arithmetic."""
+    bnb_default = pytest.importorskip("bitsandbytes.backends.default.ops", reason="needs bitsandbytes")
+    for case in CASES:
+        want, (packed, absmax, code, blocksize, shape, dtype) = _quantized(*case, "cpu")
+        ref = bnb_default._dequantize_4bit_compute(packed.view(torch.uint8).reshape(-1), absmax, code, blocksize,
+                                                   shape, dtype)
+        assert torch.equal(_bits(ref), _bits(want)), case
 
 
 @needs_bnb
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bitsandbytes' own CUDA kernel as the reference)")
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "double-quant"])
 @pytest.mark.parametrize("case", CASES + [((37888, 3584), 64, torch.bfloat16)])  # + Qwen2.5-7B's gate/up group
-def test_same_bits_as_bitsandbytes_on_the_gpu(case):
-    want, args = _quantized(*case, "cuda")
-    nf4_kernel.use(True, quantized=True)
+def test_same_bits_as_bitsandbytes_on_the_gpu(case, nested):
+    want, args = _quantized(*case, "cuda", nested=nested)
+    line = nf4_kernel.use(True, quantized=True)
     try:
-        got = nf4_kernel.dequantize(*args)
+        assert line.endswith("double quantization's scales in the same kernel)"), line  # its nested check passed
+        got = (nf4_kernel.dequantize_nested if nested else nf4_kernel.dequantize)(*args)
     finally:
         nf4_kernel.use(False, quantized=True)
     assert torch.equal(_bits(got), _bits(want)), (case, (got.float() - want.float()).abs().max())
 
 
+def _sass(exact_add: bool) -> str:
+    """The nested kernel compiled for an H100 (sm_90) by Triton's own ptxas, no GPU needed, as SASS."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tuneledger.nf4_triton import nf4_dequant_nested
+
+    sig = ["*u8", "*u8", "*fp32", "*fp32", "*fp32", "*fp32", "*bf16", "i32"]
+    consts = [32, 64, True, 256, False, exact_add]  # HALF, ROWS, OUT_BF16, BLOCKS2, OFFSET_PER_BLOCK2, EXACT_ADD
+    src = ASTSource(fn=nf4_dequant_nested, signature=dict(enumerate(sig)),
+                    constants={len(sig) + i: v for i, v in enumerate(consts)})
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    f = Path(os.environ.get("TMPDIR", "/tmp")) / f"tuneledger-nested-{os.getpid()}-{exact_add}.cubin"
+    f.write_bytes(cubin)
+    try:
+        return subprocess.run([str(tool), str(f)], capture_output=True, text=True, check=True).stdout
+    finally:
+        f.unlink()
+
+
+@needs_triton
+def test_the_nested_scale_add_is_never_an_fma_on_the_gpu():
+    """bitsandbytes rounds the 8-bit scale's multiply and the offset's add apart; an fma rounds once
+    and can give another scale. The kernel's add is PTX add.rn, which ptxas never fuses: its SASS has
+    an FADD and no FFMA, where the same kernel with a plain `+` compiles to one FFMA (the control:
+    proof that the check can fail)."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").is_file():
+        pytest.skip("this Triton has no bundled ptxas/nvdisasm (the lock's triton 3.1 has them)")
+    try:
+        exact, fused = _sass(True), _sass(False)
+    except (ImportError, TypeError) as e:  # another Triton's compile API
+        pytest.skip(f"Triton {triton.__version__}'s ahead-of-time compile API differs: {e}")
+    assert "FFMA" not in exact and "FADD" in exact
+    assert "FFMA" in fused
+
+
 @needs_bnb
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_same_bits_inside_a_compiled_function():
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "double-quant"])
+def test_same_bits_inside_a_compiled_function(nested):
     """As in a compiled decoder layer: the op (a triton_op on torch >= 2.6, launched by inductor)
     followed by a matmul gives the eager result bit for bit."""
-    want, args = _quantized((512, 256), 64, torch.bfloat16, "cuda")
+    want, args = _quantized((512, 256), 64, torch.bfloat16, "cuda", nested=nested)
     x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    op = nf4_kernel.dequantize_nested if nested else nf4_kernel.dequantize
     nf4_kernel.use(True, quantized=True)
     try:
-        got = torch.compile(lambda x, *a: x @ nf4_kernel.dequantize(*a).t(), fullgraph=True)(x, *args)
+        got = torch.compile(lambda x, *a: x @ op(*a).t(), fullgraph=True)(x, *args)
     finally:
         nf4_kernel.use(False, quantized=True)
     assert torch.equal(got, x @ want.t())
@@ -136,16 +237,17 @@ def test_the_fused_projection_calls_it_and_nothing_changes(tiny_model, monkeypat
     nf4_kernel.use(False, quantized=True)
     m0 = speed_tests._nf4_lora_model(tiny_model, True)
     l0, g0 = speed_tests._grads(m0, IDS)
-    calls = []
+    calls: list = []
 
     def stand_in(w, absmax, code, blocksize, shape, dtype):
-        calls.append(tuple(shape))
+        calls.append((tuple(shape), None))
         return torch.ops.bitsandbytes.dequantize_4bit(w, absmax, blocksize, "nf4", shape, dtype)
 
     monkeypatch.setattr(nf4_kernel, "dequantize", stand_in)
+    monkeypatch.setattr(nf4_kernel, "dequantize_nested", stand_in_nested(calls))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets applies() take CPU tensors
     monkeypatch.setattr(nf4_kernel, "why_not", lambda: None)
-    monkeypatch.setattr(nf4_kernel, "self_check", lambda: None)
+    monkeypatch.setattr(nf4_kernel, "self_check", lambda nested=False: None)
     assert nf4_kernel.use(None, quantized=True).startswith("on (")
     try:
         m1 = speed_tests._nf4_lora_model(tiny_model, True)
@@ -155,7 +257,8 @@ def test_the_fused_projection_calls_it_and_nothing_changes(tiny_model, monkeypat
     import bitsandbytes as bnb
 
     n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in m1.modules())
-    assert n4 and len(calls) == 2 * n4, (len(calls), n4)  # every 4-bit projection, forward and backward
+    # every 4-bit projection, forward and backward, its double-quantized scales rebuilt in the kernel
+    assert n4 and len(calls) == 2 * n4 and all(offsets == 1 for _, offsets in calls), (calls, n4)
     assert l1 == l0
     rel, name = speed_tests._worst(g0, g1)
     assert rel == 0.0, (name, rel)

@@ -97,17 +97,30 @@ def plain_absmax(absmax, absmax2, code2, offset, blocksize2: int) -> torch.Tenso
     return torch.ops.bitsandbytes.dequantize_blockwise(absmax, absmax2, code2, blocksize2, torch.float32) + offset
 
 
+def kernel_rebuilds_scales(w, meta, offset) -> bool:
+    """Whether _dequantize hands this double-quantized 4-bit weight (`meta`: base_weight_inputs')
+    to nf4_kernel.dequantize_nested, which rebuilds the 8-bit scales itself: one launch instead of
+    three, without absmax_once's memory. Not inside a compiled layer that dequantizes in torch ops."""
+    blocksize, blocksize2, quant_type, _, dtype = meta
+    return (not (torch.compiler.is_compiling() and dequant_in_graph()) and nf4_kernel.applies(w, quant_type, blocksize, dtype)
+            and nf4_kernel.applies_nested(blocksize2, offset))
+
+
 def _dequantize(w, absmax, absmax2, code2, offset, code, meta) -> torch.Tensor:
     """The base weight [out, in] in its compute dtype: inside a compiled layer in torch ops
     (dequantize_in_graph), else by our Triton NF4 kernel where the nf4_kernel lever is on
-    (nf4_kernel.applies), else through bitsandbytes' torch.library ops (the same calls as
-    bitsandbytes.functional.dequantize_4bit). All three give the same bits."""
+    (nf4_kernel.applies; double quantization's scales rebuilt in the same kernel where
+    applies_nested), else through bitsandbytes' torch.library ops (the same calls as
+    bitsandbytes.functional.dequantize_4bit). All give the same bits."""
     if meta is None:
         return w
     if torch.compiler.is_compiling() and dequant_in_graph():
         return dequantize_in_graph(w, absmax, absmax2, code2, offset, code, meta)
     blocksize, blocksize2, quant_type, shape, dtype = meta
     if absmax2 is not None:
+        if kernel_rebuilds_scales(w, meta, offset):
+            return nf4_kernel.dequantize_nested(w, absmax, absmax2, code2, offset, code, blocksize, blocksize2,
+                                                list(shape), dtype)
         absmax = plain_absmax(absmax, absmax2, code2, offset, blocksize2)
     if nf4_kernel.applies(w, quant_type, blocksize, dtype):
         return nf4_kernel.dequantize(w, absmax, code, blocksize, list(shape), dtype)

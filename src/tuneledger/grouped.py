@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuneledger.fused_lora import _dequantize, _fused_forward, add_product, base_weight_inputs, plain_absmax
+from tuneledger.fused_lora import (_dequantize, _fused_forward, add_product, base_weight_inputs, kernel_rebuilds_scales,
+                                  plain_absmax)
 from tuneledger.speed import GROUPED_NEEDS_NO_COMPILED_CHECKPOINT
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -50,28 +51,34 @@ def _members(flat: tuple, k: int) -> list[tuple]:
 
 
 def _base(members: list[tuple], metas: tuple, gw: torch.Tensor | None, gabsmax: torch.Tensor | None,
-          layout: tuple | None) -> torch.Tensor:
+          layout: tuple | None, gabsmax2: torch.Tensor | None = None, goffset: torch.Tensor | None = None) -> torch.Tensor:
     """The group's base weight [sum out, in] in its compute dtype. `gw`: the laid-out weights
     (lay_out), the members' own being views of it; `layout`: None (dense, or no layout: dequantize
-    each member and concatenate) or the 4-bit meta of the whole, (blocksize, 0, quant_type,
-    (sum out, in), dtype); `gabsmax`: the laid-out fp32 scales, or None: under double quantization
-    each member's are rebuilt, as _dequantize does, and concatenated (1/64 of the weights' elements)."""
+    each member and concatenate) or the 4-bit meta of the whole, (blocksize, blocksize2 or 0,
+    quant_type, (sum out, in), dtype); `gabsmax`: the laid-out scales: fp32, or under double
+    quantization the 8-bit codes with `gabsmax2` (their fp32 scales) and `goffset` (each member's
+    offset, one per nested block), which the NF4 kernel reads as they are (kernel_rebuilds_scales);
+    else (None, or the kernel off) each member's are rebuilt as _dequantize does and concatenated
+    (1/64 of the weights' elements)."""
     if gw is None:
         return torch.cat([_dequantize(m[2], *m[3:8], metas[i]) for i, m in enumerate(members)])
     if layout is None:
         return gw
-    if gabsmax is not None:
+    if gabsmax is not None and gabsmax2 is None:
         return _dequantize(gw, gabsmax, None, None, None, members[0][7], layout)
+    if gabsmax is not None and kernel_rebuilds_scales(gw, layout, goffset):
+        return _dequantize(gw, gabsmax, gabsmax2, members[0][5], goffset, members[0][7], layout)
     absmax = torch.cat([m[3].float() if m[4] is None else plain_absmax(*m[3:7], metas[i][1])
                         for i, m in enumerate(members)])
-    return _dequantize(gw, absmax, None, None, None, members[0][7], layout)
+    return _dequantize(gw, absmax, None, None, None, members[0][7], (layout[0], 0, *layout[2:]))
 
 
 def _weights(members: list[tuple], metas: tuple, gw: torch.Tensor | None = None, gabsmax: torch.Tensor | None = None,
-             layout: tuple | None = None, dt: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             layout: tuple | None = None, dt: torch.dtype | None = None, gabsmax2: torch.Tensor | None = None,
+             goffset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The group's base weight [sum out, in] (dequantized: _base), LoRA A [k r, in] and block-diagonal
     LoRA B [sum out, k r], in the compute dtype (the base's, or `dt`)."""
-    wd = _base(members, metas, gw, gabsmax, layout)
+    wd = _base(members, metas, gw, gabsmax, layout, gabsmax2, goffset)
     dt = wd.dtype if dt is None else dt
     r, k = members[0][0].shape[0], len(members)
     A = torch.cat([m[0] for m in members]).to(dt)
@@ -88,12 +95,13 @@ class GroupedLoraProjection(torch.autograd.Function):
     [sum out, k r]: Y [T, sum out] is cat(y_i) of LoraProjection's y_i (no dropout). Backward:
     dx = dY W + s (dY B) A, dA = s (dY B)^T x split per member, dB_i = s dY_i^T (x A_i^T); W is
     dequantized again rather than kept, as LoraProjection does. Saved: x and x A^T [T, k r].
-    gw, gabsmax, layout: the laid-out base weights, scales and their meta (_base), or None."""
+    gw, gabsmax, gabsmax2, goffset, layout: the laid-out base weights, scales and their meta
+    (_base), or None."""
 
     @staticmethod
-    def forward(ctx, x, bias, scale, metas, outs, gw, gabsmax, layout, *flat):
+    def forward(ctx, x, bias, scale, metas, outs, gw, gabsmax, gabsmax2, goffset, layout, *flat):
         members = _members(flat, len(metas))
-        wd, A, B = _weights(members, metas, gw, gabsmax, layout)
+        wd, A, B = _weights(members, metas, gw, gabsmax, layout, None, gabsmax2, goffset)
         dt = wd.dtype
         x = x.to(dt)
         if bias is not None:
@@ -102,16 +110,16 @@ class GroupedLoraProjection(torch.autograd.Function):
             y = x @ wd.t()
         a = x @ A.t()
         y = add_product(y, a, B.t(), scale)
-        ctx.save_for_backward(x, a, gw, gabsmax, *flat)
+        ctx.save_for_backward(x, a, gw, gabsmax, gabsmax2, goffset, *flat)
         ctx.metas, ctx.outs, ctx.scale, ctx.layout = metas, outs, scale, layout
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, a, gw, gabsmax, *flat = ctx.saved_tensors
+        x, a, gw, gabsmax, gabsmax2, goffset, *flat = ctx.saved_tensors
         k, s, dt = len(ctx.metas), ctx.scale, x.dtype
         members = _members(tuple(flat), k)
-        wd, A, B = _weights(members, ctx.metas, gw, gabsmax, ctx.layout, dt)
+        wd, A, B = _weights(members, ctx.metas, gw, gabsmax, ctx.layout, dt, gabsmax2, goffset)
         dy = dy.to(dt)
         dyb = dy @ B
         dx = add_product((dyb @ A).mul_(s), dy, wd)
@@ -124,7 +132,7 @@ class GroupedLoraProjection(torch.autograd.Function):
             grads += [dA[i * r:(i + 1) * r].to(m[0].dtype), dB[off:off + o, i * r:(i + 1) * r].to(m[1].dtype)]
             grads += [None] * (PER_MEMBER - 2)
             off += o
-        return (dx, None, None, None, None, None, None, None, *grads)
+        return (dx, None, None, None, None, None, None, None, None, None, *grads)
 
 
 class _Group:
@@ -148,7 +156,9 @@ class _Group:
             ref = next(b for b in biases if b is not None)
             self.bias = torch.cat([b.detach() if b is not None else ref.new_zeros(m.get_base_layer().out_features)
                                    for b, m in zip(biases, self.members)])
-        self.w, self.absmax, self.layout = lay_out(self.members)
+        self.w, scales, self.layout = lay_out(self.members)
+        # fp32 scales, or double quantization's (8-bit codes, their fp32 scales, offsets): lay_out
+        self.absmax, self.absmax2, self.offset = scales if isinstance(scales, tuple) else (scales, None, None)
 
 
 def layout_blocker(bases: list) -> str | None:
@@ -168,12 +178,15 @@ def layout_blocker(bases: list) -> str | None:
     return None
 
 
-def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple | None]:
+def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | tuple | None, tuple | None]:
     """Lay the members' frozen base weights out as one tensor, each member's weight a view of its
     part (in place: no copy kept, no memory added once the old storages are freed); plain fp32
-    4-bit scales (no double quantization, or absmax_once) likewise. Returns (the weights, the scales
-    or None, the 4-bit meta of the whole for _base: (blocksize, 0, quant_type, (sum out, in),
-    dtype), None for dense), or (None, None, None) where layout_blocker says no."""
+    4-bit scales (no double quantization, or absmax_once) likewise, and double quantization's
+    where nested_blocker allows (the 8-bit codes and their fp32 scales as views, plus each
+    member's offset once per nested block: 4 B per 16,384 weights). Returns (the weights, the
+    scales: fp32, (codes, scales, offsets), or None, the 4-bit meta of the whole for _base:
+    (blocksize, blocksize2 or 0, quant_type, (sum out, in), dtype), None for dense), or
+    (None, None, None) where layout_blocker says no."""
     bases = [m.get_base_layer() for m in members]
     if layout_blocker(bases):
         return None, None, None
@@ -187,13 +200,38 @@ def lay_out(members: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, t
     if qs is None:
         return whole, None, None
     rows = sum(w.quant_state.shape[0] for w in ws)
-    scales = None
-    if not any(w.quant_state.nested for w in ws):
-        with torch.no_grad(), torch.inference_mode(False):
-            scales = torch.cat([w.quant_state.absmax.float() for w in ws])
-            for w, part in zip(ws, scales.split([w.quant_state.absmax.numel() for w in ws])):
-                w.quant_state.absmax = part
-    return whole, scales, (qs.blocksize, 0, qs.quant_type, (rows, qs.shape[1]), qs.dtype)
+    scales: Any = None
+    blocksize2 = 0
+    qss = [w.quant_state for w in ws]
+    with torch.no_grad(), torch.inference_mode(False):
+        if not any(q.nested for q in qss):
+            scales = torch.cat([q.absmax.float() for q in qss])
+            for q, part in zip(qss, scales.split([q.absmax.numel() for q in qss])):
+                q.absmax = part
+        elif not nested_blocker(qss):
+            blocksize2 = qss[0].state2.blocksize
+            codes, scales2 = torch.cat([q.absmax for q in qss]), torch.cat([q.state2.absmax for q in qss])
+            for q, part, part2 in zip(qss, codes.split([q.absmax.numel() for q in qss]),
+                                      scales2.split([q.state2.absmax.numel() for q in qss])):
+                q.absmax, q.state2.absmax = part, part2
+            offsets = torch.cat([q.offset.float().reshape(1).expand(q.state2.absmax.numel()) for q in qss])
+            scales = (codes, scales2, offsets)
+    return whole, scales, (qs.blocksize, blocksize2, qs.quant_type, (rows, qs.shape[1]), qs.dtype)
+
+
+def nested_blocker(qss: list) -> str | None:
+    """Why the double-quantized scales of these quant states (one group's, all nested) cannot be
+    laid out as one, or None: each member must be a whole number of nested blocks, so that its
+    scales' scales follow one another too, with one nested code table and fp32 offset tensors."""
+    q0 = qss[0]
+    if not all(q.nested and q.state2 is not None for q in qss):
+        return "some members are double-quantized, some not"
+    if any(q.state2.blocksize != q0.state2.blocksize or q.absmax.numel() % q.state2.blocksize for q in qss):
+        return "a weight is not a whole number of nested quantization blocks"
+    if any(not isinstance(q.offset, torch.Tensor) or q.offset.numel() != 1 or q.absmax.dtype != torch.uint8
+           or not torch.equal(q.state2.code, q0.state2.code) for q in qss):
+        return "the members' double quantization differs"
+    return None
 
 
 def stale_layouts(groups: list) -> list[str]:
@@ -247,7 +285,7 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         metas.append(meta)
         outs.append(m.lora_B[name].weight.shape[0])
     y = GroupedLoraProjection.apply(x.reshape(-1, shape[-1]), g.bias, self.scaling[name], tuple(metas), tuple(outs),
-                                    g.w, g.absmax, g.layout, *flat)
+                                    g.w, g.absmax, g.absmax2, g.offset, g.layout, *flat)
     parts = [p.reshape(*shape[:-1], p.shape[-1]) for p in y.split(outs, dim=-1)]
     parts = [p.contiguous() if n in OWN_COPY else p for p, n in zip(parts, g.names)]
     g.x, g.grad = x, torch.is_grad_enabled()

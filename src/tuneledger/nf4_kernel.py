@@ -12,8 +12,14 @@ output dtype (round to nearest even, both). One multiply and no add, so no fused
 change a bit: the result is bitsandbytes' weight bit for bit (tests/test_nf4_kernel.py, on CPU
 through Triton's interpreter and on a GPU against bitsandbytes' own op).
 
-Scope: NF4 with fp32 absmax (double quantization's absmax is rebuilt first, as bitsandbytes
-does; absmax_once does it once at load), a blocksize that is a power of two, a CUDA tensor.
+Double quantization (the default: each block's absmax stored in 8 bits, one fp32 scale per 256
+of them, plus an offset): bitsandbytes rebuilds all the fp32 absmax first, a dequantize_blockwise
+kernel and an add, two more launches per dequantization. absmax_once does that once at load, for
++332 MiB on Qwen2.5-7B. Without it, `dequantize_nested` rebuilds each block's absmax inside the
+same kernel, with bitsandbytes' two roundings (the multiply, then the add, never one fma): one
+launch and no memory added (self-checked at start like the plain one; not yet measured on a GPU).
+
+Scope: NF4, a blocksize (and double quantization's) that is a power of two, a CUDA tensor.
 Anything else goes to bitsandbytes' op. On torch >= 2.6 the op is a torch.library triton_op: a
 compiled decoder layer launches the kernel itself, with no Python op in between (bitsandbytes'
 op is one, 1,792 calls per preset C step); on older torch (the image's 2.5.1) a custom op, opaque
@@ -33,6 +39,7 @@ from typing import List
 import torch
 
 _ON = False  # set once per process by use(): the model's nf4_kernel lever
+_NESTED = False  # and whether dequantize_nested passed its check too (use())
 
 
 def why_not() -> str | None:
@@ -60,8 +67,8 @@ def use(wanted: bool | None, quantized: bool, fused: bool = True) -> str:
     the same, refused where it cannot). `quantized`: the base is NF4; `fused`: the fused LoRA
     projection runs (fused_lora), the only caller: bitsandbytes' own Linear4bit calls its own
     kernel. Returns the ledger's line; raises ValueError for True where it cannot apply."""
-    global _ON
-    _ON = False
+    global _ON, _NESTED
+    _ON = _NESTED = False
     if wanted is False:
         return "off"
     why = ("no NF4 base weights" if not quantized else
@@ -71,23 +78,33 @@ def use(wanted: bool | None, quantized: bool, fused: bool = True) -> str:
             raise ValueError(f"nf4_kernel: true cannot apply: {why}. Set nf4_kernel=false")
         return f"off ({why})"
     _ON = True
-    return "on (Triton NF4 dequantization, bitsandbytes' bits)"
+    nested_why = self_check(nested=True)
+    _NESTED = nested_why is None
+    tail = ("double quantization's scales in the same kernel" if _NESTED else
+            f"double quantization's scales by bitsandbytes: {nested_why}")
+    return f"on (Triton NF4 dequantization, bitsandbytes' bits; {tail})"
 
 
-def self_check(device: str | None = None) -> str | None:
-    """Run the kernel once on a small random NF4 weight (64 x 256, bf16, on `device`: the current
-    CUDA device by default) and compare it with bitsandbytes' own dequantization, bit for bit.
-    Returns why it cannot be used here (it failed to build or run, or gave other bits: a Triton or
-    GPU this was never run on), or None. About a second, once per process: a training run must
-    never be where a new Triton finds out."""
+def self_check(device: str | None = None, nested: bool = False) -> str | None:
+    """Run the kernel once on a small random NF4 weight (64 x 1024 in bf16 on `device`: the current
+    CUDA device by default; `nested`: double-quantized, through dequantize_nested) and compare it
+    with bitsandbytes' own dequantization, bit for bit. Returns why it cannot be used here (it
+    failed to build or run, or gave other bits: a Triton or GPU this was never run on), or None.
+    About a second, once per process: a training run must never be where a new Triton finds out."""
     try:
         import bitsandbytes.functional as bf
 
         dev = device or ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else f"cuda:{torch.cuda.current_device()}")
-        w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(device=dev, dtype=torch.bfloat16)
-        packed, qs = bf.quantize_4bit(w, quant_type="nf4", compress_statistics=False, blocksize=64)
+        g = torch.Generator().manual_seed(0)
+        # Scales over six decades: the nested absmax's multiply and add round in many ways.
+        w = (torch.randn(64, 1024, generator=g) * torch.logspace(-3, 3, 1024)).to(device=dev, dtype=torch.bfloat16)
+        packed, qs = bf.quantize_4bit(w, quant_type="nf4", compress_statistics=nested, blocksize=64)
         want = bf.dequantize_4bit(packed, qs)
-        got = _launch(packed, qs.absmax, qs.code, 64, [64, 256], torch.bfloat16, None)
+        if nested:
+            got = _launch_nested(packed, qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.code, 64,
+                                 qs.state2.blocksize, [64, 1024], torch.bfloat16, None)
+        else:
+            got = _launch(packed, qs.absmax, qs.code, 64, [64, 1024], torch.bfloat16, None)
     except Exception as e:  # noqa: BLE001  (any failure means: use bitsandbytes' kernel, and say why)
         return f"the Triton kernel failed its check here: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
@@ -107,18 +124,26 @@ def applies(w: torch.Tensor, quant_type: str, blocksize: int, dtype: torch.dtype
             and (w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
-_kernel = None
+def applies_nested(blocksize2: int, offset) -> bool:
+    """Whether dequantize_nested() takes a weight that applies() takes, under double quantization
+    of blocksize `blocksize2` with this `offset` (a tensor: one, or one per blocksize2 blocks)."""
+    return (_NESTED and blocksize2 >= 1 and blocksize2 & (blocksize2 - 1) == 0
+            and isinstance(offset, torch.Tensor) and offset.dtype == torch.float32)
 
 
-def _build():
-    """The Triton kernel (nf4_triton), imported on first use: Triton is imported only where it runs.
-    TRITON_INTERPRET=1 must be set before this, as Triton reads it when the kernel is defined."""
-    global _kernel
-    if _kernel is None:
-        from tuneledger.nf4_triton import nf4_dequant
+_kernels: tuple | None = None
 
-        _kernel = nf4_dequant
-    return _kernel
+
+def _build(nested: bool = False):
+    """The Triton kernel (nf4_triton; `nested`: the double-quantized one), imported on first use:
+    Triton is imported only where it runs. TRITON_INTERPRET=1 must be set before this, as Triton
+    reads it when the kernel is defined."""
+    global _kernels
+    if _kernels is None:
+        from tuneledger.nf4_triton import nf4_dequant, nf4_dequant_nested
+
+        _kernels = (nf4_dequant, nf4_dequant_nested)
+    return _kernels[nested]
 
 
 # Bytes of packed weight per program: 2 KiB (64 blocks of 64 weights) with 4 warps. Not tuned: the
@@ -148,6 +173,34 @@ def _launch(w, absmax, code, blocksize: int, shape: List[int], dtype: torch.dtyp
     return out
 
 
+def _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize: int, blocksize2: int, shape: List[int],  # noqa: UP006
+                   dtype: torch.dtype, wrap) -> torch.Tensor:
+    """_launch's weight under double quantization: `qabsmax` [blocks] uint8 codes into `code2` [256]
+    (fp32), `absmax2` [ceil(blocks / blocksize2)] fp32, `offset` fp32 [] (one for all blocks, as
+    bitsandbytes' QuantState keeps it) or [blocks / blocksize2] (one per nested block: a grouped
+    layout of several weights). Bit for bit bitsandbytes.functional.dequantize_4bit's result.
+    Raises ValueError when the sizes disagree."""
+    n = shape[0] * shape[1]
+    nbytes = w.numel() * w.element_size()
+    blocks2 = (qabsmax.numel() + blocksize2 - 1) // blocksize2
+    if (nbytes * 2 != n or qabsmax.numel() * blocksize != n or n % blocksize or absmax2.numel() != blocks2
+            or offset.numel() not in (1, blocks2) or qabsmax.dtype != torch.uint8):
+        raise ValueError(f"dequantize_nf4_nested: {nbytes} packed bytes, {qabsmax.numel()} {qabsmax.dtype} scales of "
+                         f"{blocksize}, {absmax2.numel()} nested scales of {blocksize2} and {offset.numel()} offsets "
+                         f"do not make a {shape[0]}x{shape[1]} weight")
+    out = torch.empty(shape, dtype=dtype, device=w.device)
+    half = blocksize // 2
+    rows = max(1, TILE_BYTES // half)
+    grid = ((qabsmax.numel() + rows - 1) // rows,)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    kernel = wrap(_build(True)) if wrap and not interpreted else _build(True)
+    kernel[grid](w.contiguous().reshape(-1).view(torch.uint8), qabsmax.contiguous(), absmax2.float().contiguous(),
+                 code2.float().contiguous(), offset.float().reshape(-1).contiguous(), code.float().contiguous(), out,
+                 qabsmax.numel(), HALF=half, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, BLOCKS2=blocksize2,
+                 OFFSET_PER_BLOCK2=offset.numel() > 1, EXACT_ADD=not interpreted, num_warps=WARPS)
+    return out
+
+
 # torch >= 2.6: a triton_op, which a compiled layer calls as a Triton kernel of its graph (launched
 # by inductor's wrapper, no Python op in between); older torch (the image's 2.5.1): a custom op,
 # opaque to the compiler as bitsandbytes' ops are. TUNELEDGER_NF4_OP=custom forces the second.
@@ -159,6 +212,14 @@ if (hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") i
                    shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006 (torch reads typing.List)
         """_launch's weight, as the op tuneledger::dequantize_nf4."""
         return _launch(w, absmax, code, blocksize, shape, dtype, torch.library.wrap_triton)
+
+    @torch.library.triton_op("tuneledger::dequantize_nf4_nested", mutates_args=())
+    def dequantize_nested(w: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
+                          offset: torch.Tensor, code: torch.Tensor, blocksize: int, blocksize2: int,
+                          shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006
+        """_launch_nested's weight, as the op tuneledger::dequantize_nf4_nested."""
+        return _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize, blocksize2, shape, dtype,
+                              torch.library.wrap_triton)
 else:
     @torch.library.custom_op("tuneledger::dequantize_nf4", mutates_args=())
     def dequantize(w: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
@@ -168,4 +229,15 @@ else:
 
     @dequantize.register_fake
     def _(w, absmax, code, blocksize, shape, dtype):
+        return w.new_empty(shape, dtype=dtype)
+
+    @torch.library.custom_op("tuneledger::dequantize_nf4_nested", mutates_args=())
+    def dequantize_nested(w: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
+                          offset: torch.Tensor, code: torch.Tensor, blocksize: int, blocksize2: int,
+                          shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006
+        """_launch_nested's weight, as the op tuneledger::dequantize_nf4_nested."""
+        return _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize, blocksize2, shape, dtype, None)
+
+    @dequantize_nested.register_fake
+    def _(w, qabsmax, absmax2, code2, offset, code, blocksize, blocksize2, shape, dtype):
         return w.new_empty(shape, dtype=dtype)
