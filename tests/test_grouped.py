@@ -214,7 +214,8 @@ def test_double_quantized_groups_lay_out_their_8bit_scales_for_the_nf4_kernel(ne
     """Without absmax_once, a group whose members are whole nested blocks lays out the 8-bit scales,
     their fp32 scales (views, as the weights) and one offset per nested block, and the NF4 kernel
     rebuilds the scales in the one dequantization of the group: the loss and gradients equal the
-    per-member path's (each member's scales rebuilt by bitsandbytes and concatenated) exactly."""
+    per-member path's (each member's scales rebuilt by bitsandbytes and concatenated) exactly. On
+    CPU the kernel is stood in by bitsandbytes' ops; on a GPU it runs."""
     from tuneledger import nf4_kernel
 
     nf4_kernel.use(False, quantized=True)
@@ -222,12 +223,20 @@ def test_double_quantized_groups_lay_out_their_8bit_scales_for_the_nf4_kernel(ne
     assert _group_of(per_member).absmax2 is not None  # laid out, but the kernel is off: per member
     l0, g0 = _grads(per_member)
     calls: list = []
-    monkeypatch.setattr(nf4_kernel, "dequantize_nested", stand_in_nested(calls))
-    monkeypatch.setattr(nf4_kernel, "dequantize", lambda w, a, c, bs, shape, dt:
-                        torch.ops.bitsandbytes.dequantize_4bit(w, a, bs, "nf4", shape, dt))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets applies() take CPU tensors
-    monkeypatch.setattr(nf4_kernel, "why_not", lambda: None)
-    monkeypatch.setattr(nf4_kernel, "self_check", lambda nested=False: None)
+    if CUDA:  # the kernel itself, counted
+        real = nf4_kernel.dequantize_nested
+
+        def counted(*a):
+            calls.append((tuple(a[8]), a[4].numel()))
+            return real(*a)
+        monkeypatch.setattr(nf4_kernel, "dequantize_nested", counted)
+    else:
+        monkeypatch.setattr(nf4_kernel, "dequantize_nested", stand_in_nested(calls))
+        monkeypatch.setattr(nf4_kernel, "dequantize", lambda w, a, c, bs, shape, dt:
+                            torch.ops.bitsandbytes.dequantize_4bit(w, a, bs, "nf4", shape, dt))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets applies() take CPU tensors
+        monkeypatch.setattr(nf4_kernel, "why_not", lambda: None)
+        monkeypatch.setattr(nf4_kernel, "self_check", lambda nested=False: None)
     assert nf4_kernel.use(None, quantized=True).endswith("double quantization's scales in the same kernel)")
     try:
         m = _model(nested_model, True, True)
