@@ -205,21 +205,20 @@ def _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize: int, blo
 # by inductor's wrapper, no Python op in between); older torch (the image's 2.5.1): a custom op,
 # opaque to the compiler as bitsandbytes' ops are. TUNELEDGER_NF4_OP=custom forces the second.
 # Without Triton (a CPU torch) a custom op too: triton_op would warn at every import.
-if (hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None
-        and os.environ.get("TUNELEDGER_NF4_OP") != "custom"):
+# The nested kernel's add is inline PTX: torch's analysis of which inputs a user kernel writes gave
+# up on any inline asm before torch 2.7 (pytorch#148043 skips pure asm) and then took every input as
+# written, so a compiled layer would copy the weights before each call. There it is a custom op.
+_TRITON_OP = (hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None
+              and os.environ.get("TUNELEDGER_NF4_OP") != "custom")
+_NESTED_TRITON_OP = _TRITON_OP and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
+
+if _TRITON_OP:
     @torch.library.triton_op("tuneledger::dequantize_nf4", mutates_args=())
     def dequantize(w: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                    shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006 (torch reads typing.List)
         """_launch's weight, as the op tuneledger::dequantize_nf4."""
         return _launch(w, absmax, code, blocksize, shape, dtype, torch.library.wrap_triton)
 
-    @torch.library.triton_op("tuneledger::dequantize_nf4_nested", mutates_args=())
-    def dequantize_nested(w: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
-                          offset: torch.Tensor, code: torch.Tensor, blocksize: int, blocksize2: int,
-                          shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006
-        """_launch_nested's weight, as the op tuneledger::dequantize_nf4_nested."""
-        return _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize, blocksize2, shape, dtype,
-                              torch.library.wrap_triton)
 else:
     @torch.library.custom_op("tuneledger::dequantize_nf4", mutates_args=())
     def dequantize(w: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
@@ -231,6 +230,15 @@ else:
     def _(w, absmax, code, blocksize, shape, dtype):
         return w.new_empty(shape, dtype=dtype)
 
+if _NESTED_TRITON_OP:
+    @torch.library.triton_op("tuneledger::dequantize_nf4_nested", mutates_args=())
+    def dequantize_nested(w: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
+                          offset: torch.Tensor, code: torch.Tensor, blocksize: int, blocksize2: int,
+                          shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006
+        """_launch_nested's weight, as the op tuneledger::dequantize_nf4_nested."""
+        return _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize, blocksize2, shape, dtype,
+                              torch.library.wrap_triton)
+else:
     @torch.library.custom_op("tuneledger::dequantize_nf4_nested", mutates_args=())
     def dequantize_nested(w: torch.Tensor, qabsmax: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor,
                           offset: torch.Tensor, code: torch.Tensor, blocksize: int, blocksize2: int,
