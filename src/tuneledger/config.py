@@ -77,7 +77,8 @@ class JobConfig(BaseModel):
     # checkpointing inside compiled layers
     grouped_lora: bool | None = None
     # double quantization's absmax dequantized once at load (nf4.py): one kernel per weight
-    # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B
+    # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B (false: with
+    # nf4_kernel on, the kernel reads the 8-bit scales itself, also one kernel; not measured yet)
     absmax_once: bool | None = None
     # LLaMA-Factory's key: Unsloth's FastLanguageModel as the model backend where Unsloth is installed
     # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above
