@@ -86,3 +86,45 @@ def test_an_option_given_twice_uses_the_last_and_says_so(capsys, monkeypatch):
     monkeypatch.setattr(whatif, "run", lambda a: seen.append(dict(vars(a))) or 0)
     assert cli.main(["whatif", "x.json", "--gpus", "8x4090-pcie", "--gpus", "8xH100-sxm"]) == 0
     assert seen[0]["gpus"] == "8xH100-sxm" and "_given" not in seen[0]  # the verb sees the last value, no bookkeeping
+
+
+def _parsers() -> dict:
+    from tuneledger.cli import build_parser
+
+    return next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict)).choices
+
+
+def _count_options():
+    """(verb, option, its least value) for every option of every verb whose value is a count, and
+    the options left as plain integers."""
+    out, plain = [], []
+    for verb, p in _parsers().items():
+        for a in p._actions:
+            if a.option_strings and a.type is int and not a.dest.endswith("seed"):
+                plain.append(f"{verb} {a.option_strings[0]}")
+            elif a.option_strings and hasattr(a.type, "least"):
+                out.append((verb, a.option_strings[0], a.type.least))
+    return out, plain
+
+
+def test_every_count_option_refuses_a_count_below_its_least_in_one_line(capsys):
+    """A rank, record, token or step count below what it can mean (preflight --nproc -1 was taken as
+    one rank, 0 as one per GPU) is argparse's one-line usage error, exit 2, naming the option; no
+    verb has a plain integer option left but a seed."""
+    from tuneledger.cli import build_parser
+
+    counts, plain = _count_options()
+    assert not plain, plain
+    assert ("preflight", "--nproc", 1) in counts and ("dryrun", "--nproc", 1) in counts and len(counts) >= 20, counts
+    for verb, opt, low in counts:
+        for bad in (str(low - 1), "x"):
+            with pytest.raises(SystemExit) as e:
+                build_parser().parse_args([verb, opt, bad])
+            assert e.value.code == 2
+            err = capsys.readouterr().err
+            want = f"must be at least {low}, got {low - 1}" if bad != "x" else "'x' is not a whole number"
+            assert f"argument {opt}" in err and want in err, (verb, opt, err)
+    for verb, p in _parsers().items():  # the least itself is taken
+        for a in p._actions:
+            if hasattr(a.type, "least"):
+                assert a.type(str(a.type.least)) == a.type.least and a.type(" 8 ") == 8

@@ -666,7 +666,10 @@ def test_fewer_records_than_one_global_batch_is_refused_before_launch(tmp_path, 
     assert why and needle in why and f"The largest global batch that works on 2 ranks is {fits}: global_batch_size={fits}" in why
     assert load_config(None, {"model_name_or_path": "m", "dataset": ["d.jsonl"], "global_batch_size": fits,
                               "per_device_train_batch_size": 1})  # the advice is a config that loads
-    assert "fewer than the 4 ranks too" in gate(Prepared(tmp_path, {**report, "train_records": 3}, [], False), cfg, world=4)
+    assert "fewer than the 4 ranks too: add data, or run on 3 ranks or fewer" in gate(
+        Prepared(tmp_path, {**report, "train_records": 3}, [], False), cfg, world=4)
+    one = gate(Prepared(tmp_path, {**report, "train_records": 1}, [], False), cfg, world=4)
+    assert one.startswith("1 training record ") and "d.jsonl is fewer than one global batch" in one and "It is fewer than the 4 ranks too: add data, or run on 1 rank" in one
     report["train_records"] = 16
     assert gate(Prepared(tmp_path, report, [], False), cfg, world=2) is None
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from tuneledger.checkpoints import LoadError
 from tuneledger.loading import Loaded, load, stop_ids
+from tuneledger.words import count_at_least
 
 
 def reply(loaded: Loaded, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,
@@ -126,7 +127,7 @@ def add_parser(sub: Any) -> None:
                    "else the newest checkpoint)")
     p.add_argument("--base", help="the base model (default: the config's model_name_or_path, else the run's)")
     p.add_argument("--prompt", help="answer this one message and exit")
-    p.add_argument("--max-new-tokens", type=int, help="default: the config's max_new_tokens, else 256")
+    p.add_argument("--max-new-tokens", type=count_at_least(1), help="default: the config's max_new_tokens, else 256")
     p.add_argument("--temperature", type=float, help="0: greedy (the default); > 0 samples (default: the config's "
                    "do_sample/temperature)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when there is one)")

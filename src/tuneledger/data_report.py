@@ -102,10 +102,12 @@ def gate(prep: "Prepared", cfg: JobConfig, world: int = 1) -> str | None:
     train = prep.report.get("train_records", rec["valid"])
     if train < cfg.global_batch_size:
         held = f" ({rec['valid']:,} valid, {rec['valid'] - train:,} held out by val_size={cfg.val_size:g})" if cfg.val_size else ""
-        head = (f"{plural(train, 'training record')}{held} in {', '.join(cfg.dataset)} are fewer than one global batch "
+        verb = "is" if train == 1 else "are"
+        head = (f"{plural(train, 'training record')}{held} in {', '.join(cfg.dataset)} {verb} fewer than one global batch "
                 f"(global_batch_size={cfg.global_batch_size}): not one full step. ")
         if train < world:
-            return head + f"They are fewer than the {world} ranks too: add data, or run on {plural(train, 'rank')} or fewer"
+            most = "1 rank" if train == 1 else f"{train} ranks or fewer"
+            return head + f"{'It is' if train == 1 else 'They are'} fewer than the {world} ranks too: add data, or run on {most}"
         fits = train // world * world  # micro-batch 1 x accumulation fits/world makes any multiple of the ranks
         return head + (f"The largest global batch that works on {plural(world, 'rank')} is {fits}: global_batch_size={fits}"
                        + (" per_device_train_batch_size=1" if world > 1 else "") + ", or add data")

@@ -48,6 +48,7 @@ from tuneledger.data_report import run_data_hash
 from tuneledger.prepare import load_prepared, prepare_eval, prepare_for_training
 from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.sharding import peak_by_world
+from tuneledger.words import count_at_least
 
 
 
@@ -404,7 +405,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("dryrun", help="measure N real training steps per preset: s/step, tokens/s, memory, save, ETA")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     add_preset_option(p, allow_all=True)
-    p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
+    p.add_argument("--nproc", type=count_at_least(1), help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
     p.add_argument("--no-fit-check", action="store_true", help="skip the capped run that proves a 24 GB fit")
     add_node_arguments(p)

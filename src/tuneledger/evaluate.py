@@ -38,6 +38,7 @@ from typing import Any
 from tuneledger.checkpoints import LoadError
 from tuneledger.files import write_text_atomic
 from tuneledger.loading import load
+from tuneledger.words import count_at_least
 
 
 def score(model: Any, tokenizer: Any, ds: Any, batch_size: int = 4) -> dict:
@@ -154,11 +155,11 @@ def add_parser(sub: Any) -> None:
                    help="files (.json/.jsonl) or dataset_info.json names, comma-separated (default: eval_dataset)")
     p.add_argument("--checkpoint", help="N or best (default: the export if there is one, else the newest checkpoint)")
     p.add_argument("--base", help="the base model (default: the config's model_name_or_path, else the run's)")
-    p.add_argument("--batch-size", type=int, help="default: per_device_eval_batch_size, else 4")
-    p.add_argument("--max-samples", type=int, help="score at most this many records of each dataset")
+    p.add_argument("--batch-size", type=count_at_least(1), help="default: per_device_eval_batch_size, else 4")
+    p.add_argument("--max-samples", type=count_at_least(1), help="score at most this many records of each dataset")
     p.add_argument("--predict", action="store_true", help="also generate greedily on each record and write "
                    "generated_predictions.jsonl beside the JSON (LLaMA-Factory's predict_with_generate)")
-    p.add_argument("--max-new-tokens", type=int, help="tokens generated per record at most (default: max_new_tokens, "
+    p.add_argument("--max-new-tokens", type=count_at_least(1), help="tokens generated per record at most (default: max_new_tokens, "
                    "else 512)")
     p.add_argument("--out", help="the JSON's path (default: output_dir/predict_results.json for a predict config, "
                    "else <run>/eval-<dataset>.json)")

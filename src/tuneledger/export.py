@@ -57,7 +57,7 @@ from tuneledger.loading import checkpoint_step, run_conversations, run_dir
 from tuneledger.model import PreflightError, read_model_config
 from tuneledger.perms import apply_umask
 from tuneledger.tokenizer_load import load_tokenizer
-from tuneledger.words import plural
+from tuneledger.words import count_at_least, plural
 
 FIXED_PROMPTS = ["Who are you?", "What is 17 x 23? Answer with the number.",
                  "Give one sentence about gradient accumulation.", "用一句话介绍你自己。"]
@@ -315,6 +315,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--base", help="the unquantized base model (default: the config's model_name_or_path, else the "
                    "adapter's base_model_name_or_path)")
     p.add_argument("--dtype", choices=sorted(RTOL), default="bf16")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    p.add_argument("--max-new-tokens", type=count_at_least(1), default=32, help="greedy tokens compared per prompt")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.set_defaults(func=run)

@@ -29,7 +29,7 @@ from typing import Any
 
 from tuneledger.monitor.backends import PynvmlBackend
 from tuneledger.monitor.sampler import Monitor
-from tuneledger.words import plural
+from tuneledger.words import count_at_least, plural
 
 # Default for --max-used-mib. An idle GPU with no context should read near 0 (NVML memory v2
 # leaves the driver's reservation out; what an idle H200 reads is for the device run to confirm);
@@ -125,7 +125,7 @@ def add_parser(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-used-mib", type=float, default=MAX_USED_MIB, metavar="MIB",
                    help=f"a GPU using this much memory or more is busy (default {MAX_USED_MIB:.0f})")
-    p.add_argument("--pick", type=int, default=None, metavar="N", help="print CUDA_VISIBLE_DEVICES for N free GPUs, or exit 1")
+    p.add_argument("--pick", type=count_at_least(1), default=None, metavar="N", help="print CUDA_VISIBLE_DEVICES for N free GPUs, or exit 1")
     p.add_argument("--uuid", action="store_true", help="--pick prints UUIDs even when the GPUs are all alike")
     p.add_argument("--json", action="store_true", help="print the rows with verdicts as JSON instead of the table")
     p.set_defaults(func=run, backend=None)

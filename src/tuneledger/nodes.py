@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneledger.config import ConfigError
+from tuneledger.words import count_at_least
 
 # c10d rendezvous settings (torch.distributed.elastic.rendezvous). join_timeout: how long the first
 # node waits for the last; nodes started by Slurm or Kubernetes can be minutes apart (an image pull
@@ -83,10 +84,10 @@ class Nodes:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """--nnodes, --node-rank, --rdzv-endpoint, --max-restarts for train and dryrun."""
-    p.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes in the job (default 1)")
-    p.add_argument("--node-rank", type=int, default=None, metavar="R", help="this node's index, 0..N-1 (0 hosts the rendezvous)")
+    p.add_argument("--nnodes", type=count_at_least(1), default=1, metavar="N", help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", type=count_at_least(0), default=None, metavar="R", help="this node's index, 0..N-1 (0 hosts the rendezvous)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="node 0's address and a free port, the same on every node")
-    p.add_argument("--max-restarts", type=int, default=None, metavar="K",
+    p.add_argument("--max-restarts", type=count_at_least(0), default=None, metavar="K",
                    help=f"torchrun restarts after a failure, each resuming from the last checkpoint (default {DEFAULT_MAX_RESTARTS} "
                         "with several nodes, else 0)")
 

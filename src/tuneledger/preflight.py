@@ -10,6 +10,7 @@ from typing import Any
 from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.model import PreflightError
 from tuneledger.preflight_checks import run_checks
+from tuneledger.words import count_at_least
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,5 +29,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     add_preset_option(p)
     p.add_argument("--cpu", action="store_true", help="check as for a CPU run")
-    p.add_argument("--nproc", type=int, help="ranks this host will start, for the host-memory check (default: one per visible GPU)")
+    p.add_argument("--nproc", type=count_at_least(1), help="ranks this host will start, for the host-memory check (default: one per visible GPU)")
     p.set_defaults(func=run)

@@ -45,6 +45,7 @@ from typing import Any
 from tuneledger.atomicdir import atomic_dir
 from tuneledger.loading import run_conversations
 from tuneledger.perms import apply_umask
+from tuneledger.words import count_at_least
 
 SCHEMES = {"awq": {"symmetric": False, "method": "AWQModifier + QuantizationModifier"},
            "gptq": {"symmetric": True, "method": "GPTQModifier"}}
@@ -352,13 +353,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--merged", required=True, help="the bf16 export directory (runs/<run>/export)")
     p.add_argument("--out", help="output directory (default: <merged>-<scheme>, e.g. runs/<run>/export-awq)")
     p.add_argument("--scheme", choices=sorted(SCHEMES), default="awq")
-    p.add_argument("--samples", type=int, default=64, help="calibration records (default 64)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration and perplexity record (default 512)")
-    p.add_argument("--heldout", type=int, default=16, help="records held out for the quality check (default 16)")
-    p.add_argument("--group-size", type=int, help="input columns per scale (default 128, or the largest of 64/32/16 "
+    p.add_argument("--samples", type=count_at_least(1), default=64, help="calibration records (default 64)")
+    p.add_argument("--seq-len", type=count_at_least(1), default=512, help="tokens per calibration and perplexity record (default 512)")
+    p.add_argument("--heldout", type=count_at_least(1), default=16, help="records held out for the quality check (default 16)")
+    p.add_argument("--group-size", type=count_at_least(1), help="input columns per scale (default 128, or the largest of 64/32/16 "
                    "that divides every layer)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per held-out prompt (default 32)")
-    p.add_argument("--n-grid", type=int, default=20, help="AWQ's scale search points per layer group (default 20)")
+    p.add_argument("--max-new-tokens", type=count_at_least(1), default=32, help="greedy tokens per held-out prompt (default 32)")
+    p.add_argument("--n-grid", type=count_at_least(1), default=20, help="AWQ's scale search points per layer group (default 20)")
     p.add_argument("--seed", type=int, default=0, help="the shuffle that splits held-out and calibration records")
     p.add_argument("--dataset", help="data files (comma-separated) instead of the run's own (job.json)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")

@@ -17,6 +17,7 @@ from tuneledger.config_load import add_preset_option, from_cli
 from tuneledger.data_report import gate, print_invalid, run_data_hash, write  # noqa: F401  (stats' API too)
 from tuneledger.model_location import PreflightError
 from tuneledger.prepare import Prepared, checked_tokenizer, prepare
+from tuneledger.words import count_at_least
 
 
 def render(prep: Prepared, cfg: JobConfig, tokenizer: Any = None) -> None:
@@ -87,7 +88,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     add_preset_option(p)
     # Only a config that gives gradient_accumulation_steps instead of global_batch_size needs these.
-    p.add_argument("--nproc", type=int, help="ranks train will run, for a global batch given as accumulation "
+    p.add_argument("--nproc", type=count_at_least(1), help="ranks train will run, for a global batch given as accumulation "
                    "(default: every visible GPU; 2 on a CPU)")
     p.add_argument("--cpu", action="store_true", help="count the ranks of a CPU run (2 unless --nproc)")
     p.set_defaults(func=run)

@@ -34,6 +34,7 @@ from tuneledger.nodes import from_args, summary
 from tuneledger.preflight_checks import check_data, checkpoint_estimate
 from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.prepare import prepare_eval, prepare_for_training
+from tuneledger.words import count_at_least
 
 
 def run(args: argparse.Namespace) -> int:
@@ -359,7 +360,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("train", help="the full DDP LoRA/QLoRA run; resumes from the last checkpoint")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     add_preset_option(p)
-    p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
+    p.add_argument("--nproc", type=count_at_least(1), help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU through gloo even if GPUs are visible")
     add_node_arguments(p)
     p.set_defaults(func=run)

@@ -32,6 +32,7 @@ from tuneledger.launch import die_with_parent, processes
 from tuneledger.runlock import RunLock, RunLocked
 from tuneledger.tune_report import (cpu_budget_note, error_tail, fits_word, fmt_s, mark_stopped, markdown, memory_line,
                                     no_pick_snippet, plot, stop_name, stop_text, stopped_finding, why)
+from tuneledger.words import count_at_least
 
 
 def card_memory_gib(nproc: int) -> float | None:
@@ -325,7 +326,7 @@ def _run(args: argparse.Namespace, base: JobConfig, budget_s: float | None) -> i
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("tune", help="search micro-batch x checkpointing x packing by short dry-runs: the fastest that fits")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    p.add_argument("--nproc", type=int, help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
+    p.add_argument("--nproc", type=count_at_least(1), help="processes (default: every visible GPU; 2 gloo processes on a CPU)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU through gloo even if GPUs are visible")
     p.add_argument("--memory-gib", type=float, help="per-GPU memory budget in GiB (default: the card's own memory)")
     p.add_argument("--budget", help="time budget of the search: 90s, 10m, 1h (default: none)")

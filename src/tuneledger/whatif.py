@@ -43,7 +43,7 @@ from tuneledger.eta import STARTUP, n_saves
 from tuneledger.files import disk_full, write_text_atomic
 from tuneledger.hwtable import Hardware, WhatifError, for_ledger_gpu, is_yaml, known_line, parse_gpus, source_kind
 from tuneledger.ledger import fmt_h
-from tuneledger.words import plural
+from tuneledger.words import count_at_least, plural
 
 ROW_FIELDS = ("preset", "micro_batch", "gradient_checkpointing", "packing", "s_per_step", "tokens_per_step", "split",
               "memory_mib", "model", "config")
@@ -58,8 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", help="one preset of the ledger (default: every measured one)")
     p.add_argument("--profile", help="a profile table (profile-<preset>.md or a dry-run log holding one)")
     p.add_argument("--source-gpu", help="the measured GPU's entry when the table does not know it (a kind or a YAML)")
-    p.add_argument("--steps", type=int, help="optimizer steps of the run the ETA is for (default: the ledger's)")
-    p.add_argument("--save-steps", type=int, help="a checkpoint every N steps (default: the ledger's save_steps)")
+    p.add_argument("--steps", type=count_at_least(1), help="optimizer steps of the run the ETA is for (default: the ledger's)")
+    p.add_argument("--save-steps", type=count_at_least(1), help="a checkpoint every N steps (default: the ledger's save_steps)")
     p.add_argument("--against", help="a ledger measured on the target: predicted vs measured, per preset")
     p.add_argument("--json", help="write the predictions here as JSON")
     p.set_defaults(func=run)
