@@ -141,7 +141,10 @@ def test_run_without_nvml_exits_1(capsys):
 
 
 def test_pick_must_be_positive(capsys):
-    assert run(args(shared_box(), "--pick", "0")) == 1
+    """A usage error, as any count option below its least (exit 2, argparse's line)."""
+    with pytest.raises(SystemExit) as e:
+        run(args(shared_box(), "--pick", "0"))
+    assert e.value.code == 2 and "argument --pick: must be at least 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("env", ["0,1"])
