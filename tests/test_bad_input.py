@@ -128,3 +128,16 @@ def test_every_count_option_refuses_a_count_below_its_least_in_one_line(capsys):
         for a in p._actions:
             if hasattr(a.type, "least"):
                 assert a.type(str(a.type.least)) == a.type.least and a.type(" 8 ") == 8
+
+
+def test_a_missing_required_key_names_it_and_how_to_give_it_not_the_defaults():
+    """pydantic's input for a missing field is the whole merged config: printed, it showed defaults the
+    user never gave ("(got {'lora_alpha': 16})")."""
+    from tuneledger.config import ConfigError
+    from tuneledger.config_load import from_cli
+
+    with pytest.raises(ConfigError) as e:
+        from_cli([])
+    msg = str(e.value)
+    assert "model_name_or_path: missing: give a config file (e.g. configs/tiny.yaml) or model_name_or_path=..." in msg
+    assert "dataset: missing" in msg and "lora_alpha" not in msg and "got" not in msg

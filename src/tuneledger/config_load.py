@@ -215,6 +215,9 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] =
                 continue
             key = str(err["loc"][0])
             at = "command-line overrides" if key in over else f"{where}:{lines[key]}" if key in lines else where
+            if err["type"] == "missing":  # pydantic's input is then the whole merged config: defaults the user never gave
+                problems.append(f"{at}: {key}: missing: give a config file (e.g. configs/tiny.yaml) or {key}=...")
+                continue
             problems.append(f"{at}: {'.'.join(map(str, err['loc']))}: {msg} (got {err.get('input')!r})")
     if problems:
         head = f"{len(problems)} problem{'s' if len(problems) > 1 else ''} in {where} + overrides"
