@@ -141,3 +141,17 @@ def test_a_missing_required_key_names_it_and_how_to_give_it_not_the_defaults():
     msg = str(e.value)
     assert "model_name_or_path: missing: give a config file (e.g. configs/tiny.yaml) or model_name_or_path=..." in msg
     assert "dataset: missing" in msg and "lora_alpha" not in msg and "got" not in msg
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_an_empty_jsonl_file_is_refused_as_an_empty_json_file_is(tmp_path, text):
+    """A table of zeros and written stats files used to come first, then the refusal."""
+    from tuneledger.data import DataError
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(text)
+    with pytest.raises(DataError, match=r"d.jsonl: holds no record \(the file is empty or only blank lines\)"):
+        list(read_records(f))
+    (tmp_path / "d.json").write_text(text)
+    with pytest.raises(DataError, match=r"d.json:\d+:1: not valid JSON: Expecting value"):
+        list(read_records(tmp_path / "d.json"))

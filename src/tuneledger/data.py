@@ -83,7 +83,7 @@ def read_records(path: str | Path, seen: dict | None = None) -> Iterator[tuple[s
     more (field '<file>'). Each break is also said on stderr (the first SHOW_BROKEN per file). A
     UTF-8 byte-order mark is accepted at the start of the file and, in JSONL, of any line (files
     joined with `cat`). Raises DataError when the file is missing, holds no JSON value at all or
-    a value that is not a list. `seen["bytes"]`, if given, grows by the bytes read (a progress
+    a value that is not a list, or is a JSONL file without a record (empty, or blank lines only). `seen["bytes"]`, if given, grows by the bytes read (a progress
     line's ETA).
     """
     path = Path(path)
@@ -92,7 +92,12 @@ def read_records(path: str | Path, seen: dict | None = None) -> Iterator[tuple[s
     from tuneledger import records
 
     if path.suffix == ".jsonl" or (path.suffix != ".json" and records.first_char(path) != "["):
-        yield from records.iter_jsonl(path, _parse_line, seen)
+        n = 0
+        for item in records.iter_jsonl(path, _parse_line, seen):
+            n += 1
+            yield item
+        if not n:  # as an empty .json is: said before any count or file is written
+            raise DataError(f"{path}: holds no record (the file is empty or only blank lines)")
         return
     told = 0
     try:
