@@ -36,8 +36,8 @@ override INTERNAL_VARS := $(sort $(filter-out $(KNOWN_VARS) SHELL THIS_MAKEFILE,
 override INTERNAL_SET := $(strip $(foreach v,$(INTERNAL_VARS),$(if $(filter command_line environment_override $(ENV_WINS),$(subst \
 	$() ,_,$(origin $(v)))),$(v))))
 ifneq ($(INTERNAL_SET),)
-$(error tuneledger: $(INTERNAL_SET): computed inside this Makefile, not a setting: on the command line it would replace \
-	what the Makefile computes. `make help` lists the settings; key=value overrides go in ARGS="key=value ...")
+$(error tuneledger: $(INTERNAL_SET): computed inside this Makefile, not a setting: set on the command line (or in the \
+	environment under make -e) it would replace what the Makefile computes. `make help` lists the settings; key=value overrides go in ARGS="key=value ...")
 endif
 # Without -e, an environment variable of such a name is still read where this Makefile leaves it
 # unassigned (DOCKER_FACTS under LOCAL=1 decided HAS_GPU): dropped.
@@ -64,6 +64,14 @@ dotenv = $(shell [ -f .env ] && sed -n 's/^$(1)=//p' .env | tail -1)
 ENGINE_GOALS := $(filter-out help venv venv-quant test% lint lock% clean-cache,$(or $(MAKECMDGOALS),help))
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" \
 	|| { command -v docker-compose >/dev/null 2>&1 && echo docker-compose; })
+# LOCAL is 1 or 0; empty (LOCAL=) means unset: picked by whether Docker answers. LOCAL=true or yes
+# used to mean the container silently.
+ifeq ($(strip $(LOCAL)),)
+override undefine LOCAL
+endif
+ifneq ($(filter-out 0 1,$(LOCAL)),)
+$(error tuneledger: LOCAL=$(LOCAL): use LOCAL=1 (the host venv) or LOCAL=0 (the container); unset, make picks by whether a Docker engine answers)
+endif
 ifneq ($(ENGINE_GOALS),)
 # No reachable Docker engine, or no Compose: run in the host venv rather than fail (say so once).
 ifeq ($(origin LOCAL),undefined)
@@ -179,6 +187,7 @@ help: ## list the verbs
 		if (length($$1) > w) w = length($$1)} END {for (i = 1; i <= NR; i++) printf "  make %-" w "s  %s\n", t[i], d[i]}'
 	@echo "  settings: CONFIG=$(CONFIG) MODEL=$(JOB_MODEL) PRESET=$(PRESET) DATASET= RUN= MAX_STEPS= STEPS= NPROC= ARGS="
 	@echo "  several nodes (train, dryrun): NNODES= NODE_RANK= RDZV_ENDPOINT=host:port MAX_RESTARTS= (docs/multi-node.md)"
+	@echo "  where: LOCAL=1 the host venv, LOCAL=0 the container (unset: the container when Docker answers); tune: BUDGET=10m"
 
 # VENV_TORCH=cpu: torch 2.5.1+cpu from TORCH_CPU_INDEX (docker/torch-cpu-wheel.txt, by hash), then the
 # lock without its torch, triton, nvidia-*-cu12 and liger-kernel (GPU-only) blocks: about 0.4 GB to download instead of 3.2 GB

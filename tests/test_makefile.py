@@ -305,3 +305,18 @@ def test_whatif_passes_the_default_gpus_only_when_args_name_none(tmp_path):
     assert own.count("--gpus") == 1 and "--gpus 8xH100-sxm" in own, own
     default = verb_line(make_n("whatif", f"RUN={tmp_path}", "LOCAL=1").stdout, "whatif")
     assert default.count("--gpus") == 1 and "--gpus 8x4090-pcie" in default, default
+
+
+def test_local_is_1_or_0_and_empty_means_unset():
+    """LOCAL=true or yes meant the container silently (only 1 is the venv): refused in one line, before
+    anything runs; LOCAL= is unset (picked by whether Docker answers), as an empty value reads."""
+    for bad in ("true", "yes"):
+        p = make_n("dryrun", f"LOCAL={bad}")
+        assert p.returncode == 2 and f"LOCAL={bad}: use LOCAL=1 (the host venv) or LOCAL=0 (the container)" in p.stderr, p.stderr
+    p = make_n("dryrun", "LOCAL=1")
+    assert p.returncode == 0 and "tuneledger dryrun " in p.stdout, p.stderr
+    empty, unset = make_n("dryrun", "LOCAL="), make_n("dryrun")
+    assert empty.returncode == unset.returncode == 0
+    assert verb_line(empty.stdout, "dryrun") == verb_line(unset.stdout, "dryrun")
+    p = subprocess.run(["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "LOCAL=1 the host venv, LOCAL=0 the container" in p.stdout and "BUDGET=10m" in p.stdout
