@@ -130,7 +130,7 @@ def test_same_bits_as_bitsandbytes_interpreted_on_cpu(tmp_path):
     p = subprocess.run([sys.executable, "-c", RUN_INTERPRETED, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    got_plain, got_nested = torch.load(tmp_path / "out.pt")
+    got_plain, got_nested = torch.load(tmp_path / "out.pt", weights_only=True)
     assert len(got_plain) == len(CASES) and len(got_nested) == len(NESTED_CASES)
     for (want, _), got, case in zip(made + nested, got_plain + got_nested, CASES + NESTED_CASES):
         assert got.dtype == want.dtype and got.shape == want.shape, case
