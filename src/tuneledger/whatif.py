@@ -315,9 +315,6 @@ def check_preset(led: dict, path: Path, asked: str) -> None:
 def prepare(args: argparse.Namespace) -> dict:
     """Every input checked, the --against ledger and --json's path among them, then the predictions:
     bad input fails before anything is printed. Raises WhatifError."""
-    for flag, v in (("--steps", args.steps), ("--save-steps", args.save_steps)):
-        if v is not None and v <= 0:
-            raise WhatifError(f"{flag} {v}: must be a positive number of optimizer steps")
     out = json_out(args.json) if args.json else None
     hw, n = parse_gpus(args.gpus)
     path = Path(args.ledger)
