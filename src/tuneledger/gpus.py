@@ -132,9 +132,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.pick is not None and args.pick < 1:
-        print("tuneledger gpus: --pick needs N >= 1", file=sys.stderr)
-        return 1
     messages: list[str] = []
     mon = Monitor(args.backend or PynvmlBackend(), pcie=False, warn=messages.append)
     try:

@@ -151,6 +151,19 @@ def _build(nested: bool = False):
 TILE_BYTES, WARPS = 2048, 4
 
 
+def _tiled(n_blocks: int, blocksize: int, nested: bool, wrap) -> tuple:
+    """(the kernel to launch, its grid, HALF, ROWS) for `n_blocks` quantization blocks of
+    `blocksize` weights: one block a row, TILE_BYTES of packed weight a program. `wrap`:
+    torch.library.wrap_triton under triton_op, else None; Triton's interpreter (tests) has no JIT
+    function for wrap_triton to take, so it launches the kernel directly."""
+    half = blocksize // 2
+    rows = max(1, TILE_BYTES // half)
+    kernel = _build(nested)
+    if wrap and os.environ.get("TRITON_INTERPRET") != "1":
+        kernel = wrap(kernel)
+    return kernel, ((n_blocks + rows - 1) // rows,), half, rows
+
+
 def _launch(w, absmax, code, blocksize: int, shape: List[int], dtype: torch.dtype, wrap) -> torch.Tensor:  # noqa: UP006
     """The NF4 weight `shape` [out, in] in `dtype` from its packed bytes `w` (out x in / 2 bytes,
     high nibble first, any shape; stored as uint8, or as a float tensor under preset F's
@@ -163,11 +176,7 @@ def _launch(w, absmax, code, blocksize: int, shape: List[int], dtype: torch.dtyp
         raise ValueError(f"dequantize_nf4: {nbytes} packed bytes, {absmax.numel()} scales of {blocksize} "
                          f"do not make a {shape[0]}x{shape[1]} weight")
     out = torch.empty(shape, dtype=dtype, device=w.device)
-    half = blocksize // 2
-    rows = max(1, TILE_BYTES // half)
-    grid = ((absmax.numel() + rows - 1) // rows,)
-    # Triton's interpreter (tests) has no JIT function for wrap_triton to take: launched directly.
-    kernel = wrap(_build()) if wrap and os.environ.get("TRITON_INTERPRET") != "1" else _build()
+    kernel, grid, half, rows = _tiled(absmax.numel(), blocksize, False, wrap)
     kernel[grid](w.contiguous().reshape(-1).view(torch.uint8), absmax.float().contiguous(), code.float().contiguous(),
                  out, absmax.numel(), HALF=half, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, num_warps=WARPS)
     return out
@@ -189,15 +198,12 @@ def _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize: int, blo
                          f"{blocksize}, {absmax2.numel()} nested scales of {blocksize2} and {offset.numel()} offsets "
                          f"do not make a {shape[0]}x{shape[1]} weight")
     out = torch.empty(shape, dtype=dtype, device=w.device)
-    half = blocksize // 2
-    rows = max(1, TILE_BYTES // half)
-    grid = ((qabsmax.numel() + rows - 1) // rows,)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    kernel = wrap(_build(True)) if wrap and not interpreted else _build(True)
+    kernel, grid, half, rows = _tiled(qabsmax.numel(), blocksize, True, wrap)
     kernel[grid](w.contiguous().reshape(-1).view(torch.uint8), qabsmax.contiguous(), absmax2.float().contiguous(),
                  code2.float().contiguous(), offset.float().reshape(-1).contiguous(), code.float().contiguous(), out,
                  qabsmax.numel(), HALF=half, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, BLOCKS2=blocksize2,
-                 OFFSET_PER_BLOCK2=offset.numel() > 1, EXACT_ADD=not interpreted, num_warps=WARPS)
+                 OFFSET_PER_BLOCK2=offset.numel() > 1, EXACT_ADD=os.environ.get("TRITON_INTERPRET") != "1",
+                 num_warps=WARPS)
     return out
 
 
@@ -210,6 +216,7 @@ def _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize: int, blo
 # written, so a compiled layer would copy the weights before each call. There it is a custom op.
 _TRITON_OP = (hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None
               and os.environ.get("TUNELEDGER_NF4_OP") != "custom")
+# (compiled._torch_at_least's test, written here: compiled imports this module)
 _NESTED_TRITON_OP = _TRITON_OP and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
 
 if _TRITON_OP:
@@ -218,7 +225,6 @@ if _TRITON_OP:
                    shape: List[int], dtype: torch.dtype) -> torch.Tensor:  # noqa: UP006 (torch reads typing.List)
         """_launch's weight, as the op tuneledger::dequantize_nf4."""
         return _launch(w, absmax, code, blocksize, shape, dtype, torch.library.wrap_triton)
-
 else:
     @torch.library.custom_op("tuneledger::dequantize_nf4", mutates_args=())
     def dequantize(w: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
