@@ -30,7 +30,8 @@ left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   stamp "the GPU tests: ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py}"
-  timeout 150 ${PY:-python3} -m pytest -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py} > /tmp/logs/test_speed_gpu.log 2>&1
+  # SIGINT, not TERM: pytest then stops and still prints the failures and short summary it has so far
+  timeout -s INT -k 15 150 ${PY:-python3} -m pytest -q -rfE --tb=short -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py} > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
 if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per layer (bench/compile_check.py)
