@@ -38,7 +38,7 @@ def _checkpointed(tiny_model, unsloth_gc: bool, quant: bool = False, compile_lay
 
         _dynamo.reset()
         counters.clear()  # compile_stats() then counts this model's graphs, not an earlier test's
-        compiled.compile_layers(m, True, DEVICE, fused=True, quantized=quant, checkpoint=True)
+        compiled.compile_layers(m, True, next(m.parameters()).device.type, fused=True, quantized=quant, checkpoint=True)
     else:  # as model.load_model checkpoints: non-reentrant
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m.enable_input_require_grads()
@@ -56,7 +56,8 @@ def _kept_layer_inputs(m, ids=IDS) -> int:
         kw.get("hidden_states", args[0] if args else None))), with_kwargs=True)
         for layer in m.base_model.model.model.layers]
     m.train()
-    out = m(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE))
+    ids = ids.to(next(m.parameters()).device)  # the model's own: on a GPU host the unquantized tiny model stays on the CPU
+    out = m(input_ids=ids, labels=ids)
     for h in hooks:
         h.remove()
     assert len(refs) == len(hooks), (len(refs), len(hooks))  # each layer's input was seen: 0 below means none kept
@@ -89,7 +90,7 @@ def test_evaluation_and_no_grad_pass_the_hook_by(tiny_model, on_this_device, mon
         monkeypatch.setitem(offload.LAST, "tensors", -1)
         m.train(training)
         with torch.set_grad_enabled(grad):
-            m(input_ids=IDS.to(DEVICE))
+            m(input_ids=IDS.to(next(m.parameters()).device))
         assert offload.LAST["tensors"] == -1, (training, grad, offload.LAST)
 
 
