@@ -92,6 +92,7 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     nomask) o="$AUTO drop_padding_mask=true grouped_lora=false absmax_once=false";;   # alone: padded rows without their attention mask
     nolaunch) o="$AUTO $NOLAUNCH";;   # the three launch levers off (the defaults before 2026-12-06)
     notriton) o="$AUTO nf4_kernel=false";;   # A/B: bitsandbytes' NF4 dequant kernel instead of ours (nf4_kernel.py)
+    once) o="$AUTO absmax_once=true";;   # A/B against the default since 2026-12-07: left off where the NF4 kernel rebuilds the scales
     nogroup) o="$AUTO grouped_lora=false";; noabsmax) o="$AUTO absmax_once=false";; keepmask) o="$AUTO drop_padding_mask=false";;
     fast) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true";;   # the opt-in levers together
     fastcpp) o="$AUTO grouped_lora=true absmax_once=true drop_padding_mask=true compile_cpp_wrapper=true";;
@@ -113,7 +114,7 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     noguard) o="$AUTO";;  # A/B: no guards on module attributes, unsafe (TUNELEDGER_GUARDS=skip-modules)
     ugc) o="$AUTO use_unsloth_gc=true";;  # checkpointed layer inputs in pinned CPU memory until backward (offload.py; A and B)
     ugcnoabsmax) o="$AUTO use_unsloth_gc=true absmax_once=false";;  # the same, without absmax_once's +290 MiB
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk|dicttags|noguard|ugc|ugcnoabsmax>, unsloth, hf)"; return 1;;
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|once|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk|dicttags|noguard|ugc|ugcnoabsmax>, unsloth, hf)"; return 1;;
   esac
   # Dauto and Cauto warn at every host-device sync of their last warm-up step, with the stack (probes.SyncDebug):
   # a warm-up step, so the warnings never slow a measured one.

@@ -50,6 +50,23 @@ def test_fused_projection_unchanged_and_the_line_says_so(tiny_model):
     assert nf4.absmax_once(m1, True) == "off (no double-quantized weight)"
 
 
+@needs_bnb
+def test_left_off_by_default_where_the_nf4_kernel_rebuilds_the_scales(tiny_model):
+    """Where our NF4 kernel rebuilds double quantization's scales in its own launch, the default
+    leaves the 8-bit scales alone and says what the lever would have added; true still forces it,
+    and adds exactly that."""
+    import re
+
+    m = speed_tests._nf4_lora_model(tiny_model, True)
+    n = len(nf4.nested_states(m))
+    line = nf4.absmax_once(m, None, kernel_nested=True)
+    assert line.startswith("off (the NF4 kernel rebuilds double quantization's scales in its own launch"), line
+    assert len(nf4.nested_states(m)) == n > 0  # untouched
+    would = re.search(r"add (\d+) MiB", line)
+    forced = nf4.absmax_once(m, True, kernel_nested=True)
+    assert forced.startswith(f"on ({n} weights, +{would.group(1)} MiB)"), (line, forced)
+
+
 def test_on_where_it_applies_unless_set_false_and_never_on_preset_f(tiny_model):
     from transformers import AutoModelForCausalLM
 

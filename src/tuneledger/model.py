@@ -202,10 +202,12 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    # Before grouping, which lays the plain scales out with the weights.
-    levers["absmax_once"] = nf4.absmax_once(model, cfg.absmax_once, cfg.sharded)
     levers["fused_lora"] = _lever(fused_lora.fuse_lora, model, wanted["fused_lora"])
     levers["nf4_kernel"] = _lever(nf4_kernel.use, cfg.nf4_kernel, cfg.nf4_base, levers["fused_lora"].startswith("on"))
+    # After the kernel's check (its default depends on it), before grouping, which lays the
+    # plain scales out with the weights. The fused projection reads the quant state at each call.
+    levers["absmax_once"] = nf4.absmax_once(model, cfg.absmax_once, cfg.sharded,
+                                            nf4_kernel.rebuilds_nested_scales() and not compiled.dequant_in_graph())
     levers["grouped_lora"] = _lever(grouped.group_lora, model, wanted["grouped_lora"], levers["fused_lora"].startswith("on"),
                                     cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))
     levers["swiglu_recompute"] = _lever(swiglu.recompute_swiglu, model, cfg.swiglu_recompute,

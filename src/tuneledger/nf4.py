@@ -44,10 +44,13 @@ def unnest(qs: Any) -> int:
     return absmax.numel() * 4 - before
 
 
-def absmax_once(model: Any, wanted: bool | None, sharded: bool = False) -> str:
-    """Apply the lever to every double-quantized weight of `model` unless `wanted` is False (None,
-    the default: wherever there is one; True: the same, it never refuses). Returns the ledger's line.
-    Preset F is left alone: FSDP2 shards the quant states with the weights."""
+def absmax_once(model: Any, wanted: bool | None, sharded: bool = False, kernel_nested: bool = False) -> str:
+    """Apply the lever to every double-quantized weight of `model` unless `wanted` is False. None,
+    the default: wherever there is one, unless `kernel_nested` (our NF4 kernel rebuilds the 8-bit
+    scales inside its own launch, nf4_kernel.rebuilds_nested_scales: also one kernel per
+    dequantization, so the lever would only add memory); True: wherever there is one, it never
+    refuses. Returns the ledger's line. Preset F is left alone: FSDP2 shards the quant states with
+    the weights."""
     if wanted is False:
         return "off"
     if sharded:
@@ -55,5 +58,10 @@ def absmax_once(model: Any, wanted: bool | None, sharded: bool = False) -> str:
     states = nested_states(model)
     if not states:
         return "off (no double-quantized weight)"
+    if wanted is None and kernel_nested:
+        would = sum(qs.absmax.numel() * 4 - qs.absmax.numel() * qs.absmax.element_size()
+                    - qs.state2.absmax.numel() * qs.state2.absmax.element_size() for qs in states)
+        return (f"off (the NF4 kernel rebuilds double quantization's scales in its own launch: "
+                f"the lever would add {would / 2**20:.0f} MiB for no launch; absmax_once=true forces it)")
     added = sum(unnest(qs) for qs in states)
     return f"on ({len(states)} weights, +{added / 2**20:.0f} MiB)"

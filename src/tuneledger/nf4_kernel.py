@@ -117,6 +117,12 @@ def is_on() -> bool:
     return _ON
 
 
+def rebuilds_nested_scales() -> bool:
+    """Whether use() turned on the nested kernel too: double-quantized weights then dequantize in
+    one launch without absmax_once (nf4.absmax_once's default reads this)."""
+    return _ON and _NESTED
+
+
 def applies(w: torch.Tensor, quant_type: str, blocksize: int, dtype: torch.dtype) -> bool:
     """Whether dequantize() takes this weight (else bitsandbytes' op does)."""
     return (_ON and quant_type == "nf4" and blocksize >= 2 and blocksize & (blocksize - 1) == 0
