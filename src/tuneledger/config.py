@@ -77,8 +77,9 @@ class JobConfig(BaseModel):
     # checkpointing inside compiled layers
     grouped_lora: bool | None = None
     # double quantization's absmax dequantized once at load (nf4.py): one kernel per weight
-    # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B (false: with
-    # nf4_kernel on, the kernel reads the 8-bit scales itself, also one kernel; not measured yet)
+    # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B. null: on
+    # where it applies, except where nf4_kernel's nested kernel rebuilds the 8-bit scales in its
+    # own launch (also one kernel, without the memory); true forces it
     absmax_once: bool | None = None
     # LLaMA-Factory's key: Unsloth's FastLanguageModel as the model backend where Unsloth is installed
     # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above
