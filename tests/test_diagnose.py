@@ -226,6 +226,9 @@ def test_a_host_bound_verdict_names_the_opt_in_levers_the_run_could_take():
               "drop_padding_mask": "off (padding on the left: the mask is needed)"}
     assert untried_levers({**c, "config": unset, "model": {"levers": cannot}}) == []
     assert untried_levers({**c, "config": unset, "model": {"levers": {**ran, "absmax_once": "off"}}}) == ["absmax_once=true"]
+    nested = {**ran, "absmax_once": "off", "nf4_kernel": "on (Triton NF4 dequantization, bitsandbytes' bits; "
+              "double quantization's scales in the same kernel)"}
+    assert untried_levers({**c, "config": unset, "model": {"levers": nested}}) == []  # measured slower there
     assert untried_levers({}) == []
     host = {"util_mean_pct": 59, "mem_peak_frac": 0.22, "allreduce_share": 0.0, "data_wait_share": 0.01,
             "micro_batch": 2, "gradient_checkpointing": False, "mfu": 0.196}

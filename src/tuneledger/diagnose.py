@@ -248,7 +248,7 @@ def untried_levers(row: dict) -> list[str]:
     """The launch levers (docs/speed.md; on where they apply since 2026-12-06) that a dry-run row
     ran without and could take, as "key=true", from its config and its `model.levers` line (a
     lever runs when its line starts with "on"; a ledger from before names none): absmax_once
-    (double-quantized 4-bit weights, not sharded), drop_padding_mask (padded rows), grouped_lora
+    (double-quantized 4-bit weights, not sharded, and not where the NF4 kernel rebuilt their scales), drop_padding_mask (padded rows), grouped_lora
     (lora_dropout 0, the fused LoRA projection on, and no checkpointing inside compiled layers).
     A lever whose line says "off (why)" could not apply and is not named. [] when none."""
     cfg, levers = row.get("config") or {}, (row.get("model") or {}).get("levers") or {}
@@ -264,7 +264,11 @@ def untried_levers(row: dict) -> list[str]:
     if (not ran("grouped_lora") and cfg.get("lora_dropout") == 0 and ran("fused_lora")
             and not (row.get("gradient_checkpointing") and compiled)):
         out.append("grouped_lora=true")
-    if not ran("absmax_once") and absmax_once_applies(cfg.get("quantization_bit"), cfg.get("double_quantization"), cfg.get("fsdp")):
+    # Where our NF4 kernel rebuilt the 8-bit scales in its own launch, absmax_once measured slower
+    # (bench/results/h200-2026-12-07-call1): not a lever to try there.
+    nested = "scales in the same kernel" in str(levers.get("nf4_kernel", ""))
+    if (not ran("absmax_once") and not nested
+            and absmax_once_applies(cfg.get("quantization_bit"), cfg.get("double_quantization"), cfg.get("fsdp"))):
         out.append("absmax_once=true")
     if not ran("drop_padding_mask") and row.get("packing") is False:
         out.append("drop_padding_mask=true")
