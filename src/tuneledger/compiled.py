@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tuneledger import env_levers
+from tuneledger import env_levers, versions
 from tuneledger.config import COMPILE_NEEDS_FUSED
 
 # ------------------------------------------------------------------------------------- compile
@@ -18,7 +18,7 @@ COMPILE_MIN_TORCH = (2, 9)  # what the compiled path was measured on (2.11 on th
 
 
 def _torch_at_least(version: tuple[int, int]) -> bool:
-    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= version
+    return versions.torch_at_least(version)
 
 
 def compile_planned(wanted: bool | None, device_type: str) -> bool:

@@ -38,6 +38,8 @@ from typing import List
 
 import torch
 
+from tuneledger import versions
+
 _ON = False  # set once per process by use(): the model's nf4_kernel lever
 _NESTED = False  # and whether dequantize_nested passed its check too (use())
 
@@ -222,8 +224,7 @@ def _launch_nested(w, qabsmax, absmax2, code2, offset, code, blocksize: int, blo
 # written, so a compiled layer would copy the weights before each call. There it is a custom op.
 _TRITON_OP = (hasattr(torch.library, "triton_op") and importlib.util.find_spec("triton") is not None
               and os.environ.get("TUNELEDGER_NF4_OP") != "custom")
-# (compiled._torch_at_least's test, written here: compiled imports this module)
-_NESTED_TRITON_OP = _TRITON_OP and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
+_NESTED_TRITON_OP = _TRITON_OP and versions.torch_at_least((2, 7))
 
 if _TRITON_OP:
     @torch.library.triton_op("tuneledger::dequantize_nf4", mutates_args=())

@@ -27,6 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tuneledger import versions
+
 FSDP2_MIN_TORCH = (2, 6)
 # Levers not yet proven under FSDP2: off in auto, refused when asked for (docs/presets.md says why).
 UNPROVEN = {
@@ -45,8 +47,7 @@ def check_torch(version: str | None = None) -> None:
     import torch
 
     v = version or torch.__version__
-    parts = tuple(int(x) for x in v.split("+")[0].split(".")[:2])
-    if parts < FSDP2_MIN_TORCH:
+    if versions.major_minor(v) < FSDP2_MIN_TORCH:
         raise ValueError(f"preset F (fsdp) needs torch >= {'.'.join(map(str, FSDP2_MIN_TORCH))} for FSDP2 through "
                          f"accelerate; this environment has torch {v} (the pinned image and `make venv` have 2.5.1). Use DDP "
                          "(presets A-D: one whole copy per GPU), or run F where torch is newer (docs/presets.md)")
