@@ -272,7 +272,7 @@ EXPORT_OUT = $(or $(OUT),$(if $(RUN),,$(call cfg_key,export_dir)),$(RUN_DIR)/exp
 # `make bench`: one GPU, one table (runs/bench/bench.md, bench.json): tuneledger's presets with the
 # default levers and each lever off, plain transformers + peft + bitsandbytes, and Unsloth where it
 # imports (PYTHONPATH, or a .usite folder). BENCH_RUNS picks the rows (bench/h200_levers.sh).
-BENCH_RUNS ?= Dplain Dauto Dsdpa Dnoliger Dnofuse Ddrop Cplain Cauto Cnolaunch Cnotriton Bauto Bugc Aauto unsloth hf
+BENCH_RUNS ?= Dplain Dauto Dsdpa Dnoliger Dnofuse Ddrop Cplain Cauto Cnolaunch Cnotriton Bauto Bugc Bugcstream Aauto unsloth hf
 bench: $(VENV)/.stamp $(if $(filter 1,$(HAS_GPU)),$(MODEL_DEP)) ## tuneledger's presets (default levers, each lever off) beside plain HF and Unsloth on one GPU: runs/bench/bench.md
 	@test "$(HAS_GPU)" = 1 || { echo "make bench measures a GPU; this machine has none (nvidia-smi -L)"; exit 2; }
 	DEVICE_ENV=0 PY=$(VENV)/bin/python TL="$(VENV)/bin/python -m tuneledger" MODEL=$(JOB_MODEL) CONFIG=$(CONFIG) \

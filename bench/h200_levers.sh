@@ -114,14 +114,15 @@ variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=val
     noguard) o="$AUTO";;  # A/B: no guards on module attributes, unsafe (TUNELEDGER_GUARDS=skip-modules)
     ugc) o="$AUTO use_unsloth_gc=true";;  # checkpointed layer inputs in pinned CPU memory until backward (offload.py; A and B)
     ugcnoabsmax) o="$AUTO use_unsloth_gc=true absmax_once=false";;  # the same, without absmax_once's +290 MiB
-    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|once|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk|dicttags|noguard|ugc|ugcnoabsmax>, unsloth, hf)"; return 1;;
+    ugcstream) o="$AUTO use_unsloth_gc=true";;  # A/B: its copies on side streams, each copied back ahead of its layer's backward (TUNELEDGER_OFFLOAD=stream)
+    *) stamp "unknown run $r (<A-D><plain|auto|drop|sdpa|noliger|nofuse|compile|nocompile|group|cpp|absmax|dq0|nomask|fast|fastcpp|lean|keep|fastlean|fastgraph|cudnn|nolaunch|notriton|once|nogroup|noabsmax|keepmask|unsl|gcout|prefer|graphdq|pack|copy|ligerbwd|cgraph|walk|dicttags|noguard|ugc|ugcnoabsmax|ugcstream>, unsloth, hf)"; return 1;;
   esac
   # Dauto and Cauto warn at every host-device sync of their last warm-up step, with the stack (probes.SyncDebug):
   # a warm-up step, so the warnings never slow a measured one.
   e=""; case $r in Dauto|Cauto) e="TUNELEDGER_SYNC_DEBUG=$WARMUP";; esac
   [ "${r:1}" = gcout ] && e="TUNELEDGER_CHECKPOINT_OUTSIDE=1"; [ "${r:1}" = prefer ] && e="TUNELEDGER_CHECKPOINT_POLICY=prefer"
   case ${r:1} in graphdq|fastgraph) e="TUNELEDGER_DEQUANT=graph";; cudnn) e="TUNELEDGER_CUDNN_SDPA=1";; copy) e="TUNELEDGER_ADDMM=copy";; ligerbwd) e="TUNELEDGER_LIGER_BACKWARD=liger";; cgraph) e="TUNELEDGER_CUDAGRAPHS=1";; walk) e="TUNELEDGER_TRAIN_WALK=every";;
-    dicttags) e="TUNELEDGER_GUARDS=dict-tags";; noguard) e="TUNELEDGER_GUARDS=skip-modules";; esac
+    dicttags) e="TUNELEDGER_GUARDS=dict-tags";; noguard) e="TUNELEDGER_GUARDS=skip-modules";; ugcstream) e="TUNELEDGER_OFFLOAD=stream";; esac
   return 0
 }
 for r in $RUNS; do

@@ -117,6 +117,66 @@ def test_the_model_weights_stay_where_they_are(on_this_device):
     assert offload.LAST == {"tensors": 2, "bytes": x.numel() * 4 + w.numel() * 4}, offload.LAST
 
 
+class StandInStreams:
+    """offload.CudaStreams on a CPU: each copy runs at once, and every stream operation is logged
+    with the stream's name ("compute", "d2h", "h2d") and the events as ("copied"|"ready", n)."""
+
+    def __init__(self):
+        self.log: list = []
+        self.events = 0
+
+    def current(self, device):
+        return "compute"
+
+    def side(self, device, kind):
+        return kind
+
+    def copy(self, dst, src, on, after=()):
+        dst.copy_(src)
+        self.events += 1
+        done = ("copied" if on == "d2h" else "ready", self.events)
+        self.log.append(("copy", on, tuple(after), done))
+        return done
+
+    def keep_for(self, t, stream):
+        self.log.append(("keep", stream))
+
+    def wait(self, stream, event):
+        self.log.append(("wait", stream, event))
+
+
+def test_streamed_copies_keep_the_gradients_and_copy_each_input_back_ahead_of_its_backward(tiny_model, on_this_device,
+                                                                                          monkeypatch):
+    """TUNELEDGER_OFFLOAD=stream: the same loss and gradients bit for bit; each copy to host memory
+    on the d2h stream after the compute stream's work so far, its source kept for that stream;
+    backward copies the first tensor it needs back on the compute stream after that copy, and each
+    later one on the h2d stream (after the compute stream and its own copy to host), started when
+    the tensor saved after it is handed out, and waited for before it is used."""
+    l0, g0 = _grads(_checkpointed(tiny_model, True), IDS)
+    plain = dict(offload.LAST)
+    fake = StandInStreams()
+    monkeypatch.setenv("TUNELEDGER_OFFLOAD", "stream")
+    monkeypatch.setattr(offload, "CudaStreams", lambda: fake)
+    m = _checkpointed(tiny_model, True)
+    assert "on side streams" in offload.offload_layer_inputs(_fused_model(tiny_model, False), True, checkpointing=True)
+    l1, g1 = _grads(m, IDS)
+    assert offload.LAST == plain, (offload.LAST, plain)
+    assert l0 == l1 and all(torch.equal(g0[k], g1[k]) for k in g0)
+    n = plain["tensors"]
+    d2h = [e for e in fake.log if e[0] == "copy" and e[1] == "d2h"]
+    h2d = [e for e in fake.log if e[0] == "copy" and e[1] == "h2d"]
+    assert len(d2h) == n and all(e[2] == ("compute",) for e in d2h), d2h
+    assert len(h2d) == n - 1, (n, h2d)  # all but the first one backward needs
+    copied = {e[3] for e in d2h}
+    assert all(e[2][0] == "compute" and e[2][1] in copied for e in h2d), h2d
+    waits = [e for e in fake.log if e[0] == "wait"]
+    assert [w[2][0] for w in waits] == ["copied"] + ["ready"] * (n - 1), waits  # the first, then each prefetched one
+    ready = [e[3] for e in h2d]
+    assert all(fake.log.index(("wait", "compute", r)) > fake.log.index(next(e for e in h2d if e[3] == r)) for r in ready)
+    assert ("keep", "d2h") in fake.log and ("keep", "h2d") in fake.log
+    assert _kept_layer_inputs(_checkpointed(tiny_model, True)) == 0
+
+
 @pytest.mark.slow
 def test_compiled_layers_with_the_checkpoint_inside_move_their_inputs(tiny_model, on_this_device):
     """Compiled layers (checkpoint inside): torch applies the ambient hook to what the compiled
@@ -137,13 +197,17 @@ def test_compiled_layers_with_the_checkpoint_inside_move_their_inputs(tiny_model
 
 
 @pytest.mark.skipif(not (CUDA and _has_bnb()), reason="needs a CUDA GPU and bitsandbytes")
+@pytest.mark.parametrize("streamed", [False, True], ids=["compute-stream", "side-streams"])
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
-def test_on_a_gpu_over_nf4_the_same_gradients_and_the_inputs_off_the_gpu(tiny_model, compile_layers):
+def test_on_a_gpu_over_nf4_the_same_gradients_and_the_inputs_off_the_gpu(tiny_model, compile_layers, streamed,
+                                                                          monkeypatch):
     """With the shipped thresholds (CUDA only, 1 MiB): rows long enough that each layer input is
     1 MiB or more. The same loss (forward values are untouched) and gradients within 1e-3 (SDPA's
     backward may add in another order between runs); the memory held between forward and backward
     lower by at least the layer inputs after the first."""
     ids = torch.randint(0, 1000, (8, 2048), generator=torch.Generator().manual_seed(3))
+    if streamed:  # TUNELEDGER_OFFLOAD=stream: the copies on side streams, real CUDA events and waits
+        monkeypatch.setenv("TUNELEDGER_OFFLOAD", "stream")
 
     def run(unsloth_gc: bool):
         m = _checkpointed(tiny_model, unsloth_gc, quant=True, compile_layers=compile_layers)

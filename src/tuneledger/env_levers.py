@@ -32,6 +32,8 @@ CHOICES = {
     "TUNELEDGER_CHECKPOINT_POLICY": (("prefer",), "prefer: the partitioner may save instead of recompute",
                                      "compiled.py"),
     "TUNELEDGER_CUDNN_SDPA": (("0", "1"), "1: cuDNN's SDPA kernels allowed", "speed.py"),
+    "TUNELEDGER_OFFLOAD": (("stream",), "stream: use_unsloth_gc's copies to and from host memory on side streams "
+                           "beside the compute, each copied back ahead of its layer's backward", "offload.py"),
     "TUNELEDGER_GUARDS": (("dict-tags", "skip-modules"), "dict-tags: Dynamo's recursive dict tags for the compiled "
                           "layers' guards; skip-modules: no guards on module attributes (unsafe)", "compiled.py"),
 }

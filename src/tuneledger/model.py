@@ -220,8 +220,10 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     if ab := env_levers.active():  # make bench's A/B variables: every row says how it ran
         unused = compiled.cudagraphs_wanted() and not compiled.cudagraphs_on()
         unguarded = env_levers.value("TUNELEDGER_GUARDS") and not levers["compile"].startswith("on")
+        unmoved = env_levers.value("TUNELEDGER_OFFLOAD") and not levers["use_unsloth_gc"].startswith("on")
         levers["env"] = ab + (" (TUNELEDGER_CUDAGRAPHS: no effect, no layers compiled on a CUDA GPU)" if unused else "") + (
-            " (TUNELEDGER_GUARDS: no effect, no layers compiled)" if unguarded else "")
+            " (TUNELEDGER_GUARDS: no effect, no layers compiled)" if unguarded else "") + (
+            " (TUNELEDGER_OFFLOAD: no effect, use_unsloth_gc is off)" if unmoved else "")
     levers["lora_dropout"] = cfg.lora_dropout
     if cfg.lora_dropout:
         # What the user weighs it against (measured in make bench's Ddrop row, not in this run).

@@ -3,16 +3,21 @@ pinned host memory instead of GPU memory, as Unsloth's and LLaMA-Factory's "unsl
 
 Why: with checkpointing, what stays on the GPU between a layer's forward and its backward is the
 layer's input, [micro-batch, T, hidden] bf16 per decoder layer: 28 x 2 x 1,000 x 3,584 x 2 bytes,
-about 0.4 GB, at preset B's micro-batch 2 of 1,000-token rows on Qwen2.5-7B. Unsloth's B, whose
-checkpointing keeps them on the host, ran in 8.3 GiB against our B's 8.6 without absmax_once
-(bench/results/h100-2026-12-07-call1); that this is where the difference lies is our reading,
-not measured.
+about 0.4 GB, at preset B's micro-batch 2 of 1,000-token rows on Qwen2.5-7B. Measured on one H200
+(bench/results/h200-2026-12-07-call2): B moved 333 MiB a micro-batch and ran in 8.2 GiB against
+Unsloth's 8.3, 1.08x Unsloth's tokens/s, but at about 0.6x of B without it (8.6 GiB).
 
 How: a saved-tensor hook (torch.autograd.graph.saved_tensors_hooks) around the decoder stack's
 forward copies each [.., T, hidden] floating tensor that autograd keeps (1 MiB or more, contiguous,
 on a CUDA GPU) into pinned host memory without a host sync, and back when backward unpacks it.
 Both copies are queued on the compute stream: the GPU block is reused only by later work on that
-stream, after the copy (the GPU waits for the copies; they are not overlapped). With every layer
+stream, after the copy (the GPU waits for the copies; they are not overlapped), as Unsloth's
+default does. TUNELEDGER_OFFLOAD=stream (an A/B, not yet measured on a GPU) moves them beside the
+compute: each copy to host on a side stream that first waits for the compute stream's work so
+far, the source kept from reuse until that copy is done (record_stream); in backward, handing a
+tensor out starts the copy back of the one saved before it on a second side stream (after the
+compute stream's earlier users of its new block and after its copy to host), which the compute
+stream waits for only when that tensor is needed: at most one layer input more on the GPU. With every layer
 checkpointed, what autograd keeps there is the layers' inputs: torch's checkpoint saves its
 positional inputs with save_for_backward (non-reentrant: _NoopSaveInputs; compiled layers, which
 take their checkpoint inside, save them for the recompute), and ambient hooks apply to both.
@@ -36,13 +41,63 @@ DEVICE_TYPES = ("cuda",)  # tests add "cpu" to run the same path without a GPU
 LAST = {"tensors": 0, "bytes": 0}  # what the last training forward moved to host memory (ledger, tests)
 
 
+class CudaStreams:
+    """The stream operations of the streamed copies (OffloadLayerInputs(streams=...)), one object
+    so that a test can stand in for CUDA and check the order of the copies on a CPU."""
+
+    def __init__(self):
+        self._side: dict = {}
+
+    def current(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def side(self, device: torch.device, kind: str) -> Any:
+        """One side stream per device and direction ("d2h", "h2d"), made on first use."""
+        key = (kind, device.index)
+        if key not in self._side:
+            self._side[key] = torch.cuda.Stream(device=device)
+        return self._side[key]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, on: Any, after: tuple = ()) -> Any:
+        """dst.copy_(src) queued on stream `on` once `on` has waited for each stream or event of
+        `after`; returns an event recorded after the copy."""
+        for w in after:
+            on.wait_stream(w) if isinstance(w, torch.cuda.Stream) else on.wait_event(w)
+        with torch.cuda.stream(on):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(on)
+        return done
+
+    def keep_for(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)  # t's block is not reused before `stream`'s queued work (the copy) is done
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+
+class _Record:
+    """One offloaded tensor of a streamed forward: its pinned host copy, the event after that copy,
+    and a device copy prefetched for backward (with the event after it) until it is handed out."""
+    __slots__ = ("host", "device", "copied", "index", "prefetched", "ready", "handed", "last", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, copied: Any, index: int):
+        self.host, self.device, self.copied, self.index = host, device, copied, index
+        self.prefetched = self.ready = None
+        self.handed = False
+        self.last = lambda: None  # the device tensor last handed out, weakly (a tensor saved twice)
+
+
 class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
     """Saved [.., T, `hidden`] floating tensors of 1 MiB or more go to pinned host memory for backward;
     `weights`: the storage addresses (untyped_storage().data_ptr()) of tensors to leave in place,
-    the model's parameters and buffers."""
+    the model's parameters and buffers. `streams` (a CudaStreams; TUNELEDGER_OFFLOAD=stream): the
+    copies of CUDA tensors run on side streams, beside the compute (module doc), and backward's
+    unpack of a tensor starts the copy back of the one saved before it."""
 
-    def __init__(self, hidden: int, weights: frozenset[int] = frozenset()):
+    def __init__(self, hidden: int, weights: frozenset[int] = frozenset(), streams: CudaStreams | None = None):
         seen: dict[tuple, tuple] = {}  # one forward's copies, so a tensor saved twice is copied once
+        order: list = []  # streamed records, weakly, in the order saved (backward unpacks them in reverse)
 
         def pack(t: torch.Tensor) -> Any:
             size = t.numel() * t.element_size()
@@ -54,19 +109,59 @@ class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
             if key in seen and seen[key][0]() is t:  # alive, so its memory cannot have been reused
                 return seen[key][1]
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            host.copy_(t, non_blocking=True)
+            if streams is not None:
+                compute, side = streams.current(t.device), streams.side(t.device, "d2h")
+                copied = streams.copy(host, t, side, after=(compute,))  # after the kernels that wrote t
+                streams.keep_for(t, side)
+                packed = _Record(host, t.device, copied, len(order))
+                order.append(weakref.ref(packed))
+            else:
+                host.copy_(t, non_blocking=True)
+                packed = (host, t.device)
             LAST["tensors"] += 1
             LAST["bytes"] += size
-            seen[key] = (weakref.ref(t), (host, t.device))
-            return host, t.device
+            seen[key] = (weakref.ref(t), packed)
+            return packed
+
+        def prefetch(i: int) -> None:
+            rec = order[i]() if i >= 0 else None
+            if rec is None or rec.handed or rec.prefetched is not None:
+                return
+            compute, side = streams.current(rec.device), streams.side(rec.device, "h2d")
+            x = torch.empty(rec.host.shape, dtype=rec.host.dtype, device=rec.device)
+            # after compute's earlier users of x's block, and after the copy to host
+            rec.ready = streams.copy(x, rec.host, side, after=(compute, rec.copied))
+            streams.keep_for(x, side)  # were it never handed out, its block still waits for the copy
+            rec.prefetched = x
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            host, device = packed
-            return host.to(device, non_blocking=True)
+            if isinstance(packed, tuple):
+                host, device = packed
+                return host.to(device, non_blocking=True)
+            rec, compute = packed, streams.current(packed.device)
+            if (x := rec.last()) is not None:  # saved twice and still in use: the same values
+                return x
+            if rec.prefetched is not None:
+                x, ready = rec.prefetched, rec.ready
+                rec.prefetched = rec.ready = None
+                streams.wait(compute, ready)
+            else:  # the first tensor backward needs, or one handed out before (saved twice)
+                streams.wait(compute, rec.copied)
+                x = rec.host.to(rec.device, non_blocking=True)
+            rec.handed, rec.last = True, weakref.ref(x)
+            prefetch(rec.index - 1)  # its copy back runs while this tensor's layer computes backward
+            return x
 
         super().__init__(pack, unpack)
+
+
+def streamed() -> bool:
+    """Whether TUNELEDGER_OFFLOAD=stream asks for the side-stream copies (make bench's *ugcstream rows)."""
+    from tuneledger import env_levers
+
+    return env_levers.value("TUNELEDGER_OFFLOAD") == "stream"
 
 
 def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool) -> str:
@@ -89,17 +184,20 @@ def offload_layer_inputs(model: Any, wanted: bool, checkpointing: bool) -> str:
     # after grouping and compiling (model.load_model wraps last), so the laid-out weights are these
     weights = frozenset(t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()))
     forward = stack.forward
+    streams = CudaStreams() if streamed() else None  # the device is a CUDA GPU here (DEVICE_TYPES)
 
     def offloaded(*args: Any, **kwargs: Any) -> Any:
         if not (stack.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         LAST.update(tensors=0, bytes=0)
-        with OffloadLayerInputs(hidden, weights):
+        with OffloadLayerInputs(hidden, weights, streams):
             return forward(*args, **kwargs)
 
     stack.forward = offloaded
+    how = ("on side streams beside the compute, each copied back while the layer after it computes backward "
+           "(TUNELEDGER_OFFLOAD=stream)" if streams else "the GPU waits for the copies")
     return (f"on (the inputs of {len(stack.layers)} checkpointed layers and the final norm moved to pinned host "
-            "memory until backward, and back; the GPU waits for the copies)")
+            f"memory until backward, and back; {how})")
 
 
 def measured() -> str:
