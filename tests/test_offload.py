@@ -118,8 +118,10 @@ def test_the_model_weights_stay_where_they_are(on_this_device):
 
 
 class StandInStreams:
-    """offload.CudaStreams on a CPU: each copy runs at once, and every stream operation is logged
-    with the stream's name ("compute", "d2h", "h2d") and the events as ("copied"|"ready", n)."""
+    """offload.CudaStreams on a CPU: each copy runs at once into its own tensor, no copy is ever
+    done early (done() is False: the in-flight cap and the forward's end retire them), and every
+    stream operation is logged with the stream's name ("compute", "d2h", "h2d") and the events as
+    ("d2h"|"h2d"|"compute", n)."""
 
     def __init__(self):
         self.log: list = []
@@ -134,9 +136,11 @@ class StandInStreams:
     def copy(self, dst, src, on, after=()):
         dst.copy_(src)
         self.events += 1
-        done = ("copied" if on == "d2h" else "ready", self.events)
-        self.log.append(("copy", on, tuple(after), done))
-        return done
+        self.log.append(("copy", on, tuple(after), (on, self.events)))
+        return on, self.events
+
+    def done(self, event):
+        return False
 
     def keep_for(self, t, stream):
         self.log.append(("keep", stream))
@@ -147,34 +151,61 @@ class StandInStreams:
 
 def test_streamed_copies_keep_the_gradients_and_copy_each_input_back_ahead_of_its_backward(tiny_model, on_this_device,
                                                                                           monkeypatch):
-    """TUNELEDGER_OFFLOAD=stream: the same loss and gradients bit for bit; each copy to host memory
-    on the d2h stream after the compute stream's work so far, its source kept for that stream;
-    backward copies the first tensor it needs back on the compute stream after that copy, and each
-    later one on the h2d stream (after the compute stream and its own copy to host), started when
-    the tensor saved after it is handed out, and waited for before it is used."""
-    l0, g0 = _grads(_checkpointed(tiny_model, True), IDS)
+    """TUNELEDGER_OFFLOAD=stream: the same loss and gradients bit for bit, the same tensors moved.
+    Forward: each copy to host on the d2h stream after the compute stream's work so far; the
+    compute stream waits for each copy before its source is let go (past offload.INFLIGHT at once,
+    here 0, and every one by the forward's end). Backward: the first tensor it needs is copied back on the
+    compute stream after its copy to host, each later one on the h2d stream (after the compute
+    stream and its copy to host), started when the tensor saved after it is handed out and waited
+    for before use; a tensor saved twice (the final norm's input) is copied back once."""
+    m0 = _checkpointed(tiny_model, True)
+    l0, g0 = _grads(m0, IDS)
     plain = dict(offload.LAST)
     fake = StandInStreams()
     monkeypatch.setenv("TUNELEDGER_OFFLOAD", "stream")
     monkeypatch.setattr(offload, "CudaStreams", lambda: fake)
+    monkeypatch.setattr(offload, "INFLIGHT", 0)  # every copy waited for at once: the cap's path, seen in order
     m = _checkpointed(tiny_model, True)
     assert "on side streams" in offload.offload_layer_inputs(_fused_model(tiny_model, False), True, checkpointing=True)
-    l1, g1 = _grads(m, IDS)
+    m.train()
+    torch.manual_seed(7)
+    loss = m(input_ids=IDS, labels=IDS).loss
+    forward = len(fake.log)
+    loss.backward()
+    g1 = {k: p.grad.detach().float().clone() for k, p in m.named_parameters() if p.requires_grad}
     assert offload.LAST == plain, (offload.LAST, plain)
-    assert l0 == l1 and all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert loss.item() == l0 and all(torch.equal(g0[k], g1[k]) for k in g0)
+
     n = plain["tensors"]
-    d2h = [e for e in fake.log if e[0] == "copy" and e[1] == "d2h"]
-    h2d = [e for e in fake.log if e[0] == "copy" and e[1] == "h2d"]
-    assert len(d2h) == n and all(e[2] == ("compute",) for e in d2h), d2h
-    assert len(h2d) == n - 1, (n, h2d)  # all but the first one backward needs
-    copied = {e[3] for e in d2h}
-    assert all(e[2][0] == "compute" and e[2][1] in copied for e in h2d), h2d
-    waits = [e for e in fake.log if e[0] == "wait"]
-    assert [w[2][0] for w in waits] == ["copied"] + ["ready"] * (n - 1), waits  # the first, then each prefetched one
-    ready = [e[3] for e in h2d]
-    assert all(fake.log.index(("wait", "compute", r)) > fake.log.index(next(e for e in h2d if e[3] == r)) for r in ready)
-    assert ("keep", "d2h") in fake.log and ("keep", "h2d") in fake.log
+    fwd, bwd = fake.log[:forward], fake.log[forward:]
+    d2h = [e for e in fwd if e[0] == "copy"]
+    assert len(d2h) == n and all(e[1] == "d2h" and e[2] == ("compute",) for e in d2h), fwd
+    waited = [e[2] for e in fwd if e[0] == "wait"]
+    assert waited == [e[3] for e in d2h] and all(e[1] == "compute" for e in fwd if e[0] == "wait"), fwd  # each, in order
+    assert all(fwd.index(("wait", "compute", e[3])) == fwd.index(e) + 1 for e in d2h), fwd  # the cap, right after each
+    back = [e for e in bwd if e[0] == "copy"]
+    assert len(back) == n, bwd  # one each: the tensor saved twice is copied back once
+    assert back[0][1] == "compute" and back[0][2] == (d2h[-1][3],), back  # the last saved, needed first
+    assert all(e[1] == "h2d" and e[2] == ("compute", d[3]) for e, d in zip(back[1:], reversed(d2h[:-1]))), back
+    for e in back[1:]:  # each prefetch is waited for, after it was queued
+        assert bwd.index(("wait", "compute", e[3])) > bwd.index(e)
+    assert ("keep", "h2d") in bwd
     assert _kept_layer_inputs(_checkpointed(tiny_model, True)) == 0
+
+
+def test_streamed_sources_under_the_cap_are_let_go_by_the_forwards_end(tiny_model, on_this_device, monkeypatch):
+    """Within offload.INFLIGHT the compute stream waits for no copy during the forward; leaving
+    the hooks (the decoder stack's end) waits for each copy still in flight, in order."""
+    fake = StandInStreams()
+    monkeypatch.setenv("TUNELEDGER_OFFLOAD", "stream")
+    monkeypatch.setattr(offload, "CudaStreams", lambda: fake)
+    m = _checkpointed(tiny_model, True)
+    m.train()
+    m(input_ids=IDS, labels=IDS)
+    n = offload.LAST["tensors"]
+    assert 0 < n <= offload.INFLIGHT, n  # the tiny model's two layers: under the cap
+    copies = [e[3] for e in fake.log if e[0] == "copy"]
+    assert fake.log[n:] == [("wait", "compute", c) for c in copies], fake.log  # all copies first, then the waits
 
 
 @pytest.mark.slow
@@ -196,8 +227,22 @@ def test_compiled_layers_with_the_checkpoint_inside_move_their_inputs(tiny_model
     assert _kept_layer_inputs(m) == 0
 
 
+class SlowSideStreams(offload.CudaStreams):
+    """Real streams whose side-stream copies start late (torch.cuda._sleep after their waits): a
+    missing wait on either side then reads or overwrites the wrong bytes, not just sometimes."""
+
+    def copy(self, dst, src, on, after=()):
+        if on == torch.cuda.current_stream(dst.device if dst.is_cuda else src.device):
+            return super().copy(dst, src, on, after)
+        for w in after:
+            on.wait_stream(w) if isinstance(w, torch.cuda.Stream) else on.wait_event(w)
+        with torch.cuda.stream(on):
+            torch.cuda._sleep(1 << 22)  # a few ms at GPU clocks
+        return super().copy(dst, src, on)
+
+
 @pytest.mark.skipif(not (CUDA and _has_bnb()), reason="needs a CUDA GPU and bitsandbytes")
-@pytest.mark.parametrize("streamed", [False, True], ids=["compute-stream", "side-streams"])
+@pytest.mark.parametrize("streamed", [False, True, "slow"], ids=["compute-stream", "side-streams", "slow-side-streams"])
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
 def test_on_a_gpu_over_nf4_the_same_gradients_and_the_inputs_off_the_gpu(tiny_model, compile_layers, streamed,
                                                                           monkeypatch):
@@ -208,6 +253,8 @@ def test_on_a_gpu_over_nf4_the_same_gradients_and_the_inputs_off_the_gpu(tiny_mo
     ids = torch.randint(0, 1000, (8, 2048), generator=torch.Generator().manual_seed(3))
     if streamed:  # TUNELEDGER_OFFLOAD=stream: the copies on side streams, real CUDA events and waits
         monkeypatch.setenv("TUNELEDGER_OFFLOAD", "stream")
+    if streamed == "slow":
+        monkeypatch.setattr(offload, "CudaStreams", SlowSideStreams)
 
     def run(unsloth_gc: bool):
         m = _checkpointed(tiny_model, unsloth_gc, quant=True, compile_layers=compile_layers)

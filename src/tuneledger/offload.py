@@ -14,7 +14,8 @@ Both copies are queued on the compute stream: the GPU block is reused only by la
 stream, after the copy (the GPU waits for the copies; they are not overlapped), as Unsloth's
 default does. TUNELEDGER_OFFLOAD=stream (an A/B, not yet measured on a GPU) moves them beside the
 compute: each copy to host on a side stream that first waits for the compute stream's work so
-far, the source kept from reuse until that copy is done (record_stream); in backward, handing a
+far, its source kept alive until the copy is done (at most INFLIGHT at once, else the compute
+stream waits for the oldest, and none past the forward); in backward, handing a
 tensor out starts the copy back of the one saved before it on a second side stream (after the
 compute stream's earlier users of its new block and after its copy to host), which the compute
 stream waits for only when that tensor is needed: at most one layer input more on the GPU. With every layer
@@ -69,35 +70,52 @@ class CudaStreams:
             done.record(on)
         return done
 
+    def done(self, event: Any) -> bool:
+        return event.query()  # no host sync
+
     def keep_for(self, t: torch.Tensor, stream: Any) -> None:
-        t.record_stream(stream)  # t's block is not reused before `stream`'s queued work (the copy) is done
+        t.record_stream(stream)  # t's block is not reused before `stream`'s work queued at its free is done
 
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
 
+INFLIGHT = 2  # copies to host whose GPU source is kept alive at once; more wait (bounded GPU memory)
+
+
 class _Record:
-    """One offloaded tensor of a streamed forward: its pinned host copy, the event after that copy,
-    and a device copy prefetched for backward (with the event after it) until it is handed out."""
-    __slots__ = ("host", "device", "copied", "index", "prefetched", "ready", "handed", "last", "__weakref__")
+    """One offloaded tensor of a streamed forward: its pinned host copy and the event after that
+    copy; in backward, a device copy prefetched (with the event after it and the stream it was
+    allocated on) until it is handed out, and the one handed out while the tensor's other saves
+    (a tensor saved twice) are still to be unpacked."""
+    __slots__ = ("host", "device", "copied", "index", "saves", "unpacks", "handed", "out", "prefetched", "ready",
+                 "alloc", "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device, copied: Any, index: int):
         self.host, self.device, self.copied, self.index = host, device, copied, index
-        self.prefetched = self.ready = None
-        self.handed = False
-        self.last = lambda: None  # the device tensor last handed out, weakly (a tensor saved twice)
+        self.saves, self.unpacks, self.handed = 1, 0, False
+        self.out = self.prefetched = self.ready = self.alloc = None
 
 
 class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
     """Saved [.., T, `hidden`] floating tensors of 1 MiB or more go to pinned host memory for backward;
     `weights`: the storage addresses (untyped_storage().data_ptr()) of tensors to leave in place,
     the model's parameters and buffers. `streams` (a CudaStreams; TUNELEDGER_OFFLOAD=stream): the
-    copies of CUDA tensors run on side streams, beside the compute (module doc), and backward's
-    unpack of a tensor starts the copy back of the one saved before it."""
+    copies run on side streams, beside the compute (module doc), and backward's unpack of a tensor
+    starts the copy back of the one saved before it."""
 
     def __init__(self, hidden: int, weights: frozenset[int] = frozenset(), streams: CudaStreams | None = None):
         seen: dict[tuple, tuple] = {}  # one forward's copies, so a tensor saved twice is copied once
         order: list = []  # streamed records, weakly, in the order saved (backward unpacks them in reverse)
+        inflight: list = []  # (GPU source, its copy's event, the compute stream): kept alive until copied
+
+        def retire(keep: int) -> None:
+            # A source is let go once its copy is done, or after the compute stream waits for the
+            # copy: later work on that stream, which may reuse its block, then comes after it.
+            while inflight and (len(inflight) > keep or streams.done(inflight[0][1])):
+                _, event, compute = inflight.pop(0)
+                if not streams.done(event):
+                    streams.wait(compute, event)
 
         def pack(t: torch.Tensor) -> Any:
             size = t.numel() * t.element_size()
@@ -107,12 +125,16 @@ class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
                 return t
             key = (t.data_ptr(), t._version, t.dtype, tuple(t.shape))
             if key in seen and seen[key][0]() is t:  # alive, so its memory cannot have been reused
-                return seen[key][1]
+                packed = seen[key][1]
+                if isinstance(packed, _Record):
+                    packed.saves += 1
+                return packed
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             if streams is not None:
                 compute, side = streams.current(t.device), streams.side(t.device, "d2h")
                 copied = streams.copy(host, t, side, after=(compute,))  # after the kernels that wrote t
-                streams.keep_for(t, side)
+                inflight.append((t, copied, compute))
+                retire(INFLIGHT)
                 packed = _Record(host, t.device, copied, len(order))
                 order.append(weakref.ref(packed))
             else:
@@ -132,7 +154,21 @@ class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
             # after compute's earlier users of x's block, and after the copy to host
             rec.ready = streams.copy(x, rec.host, side, after=(compute, rec.copied))
             streams.keep_for(x, side)  # were it never handed out, its block still waits for the copy
-            rec.prefetched = x
+            rec.prefetched, rec.alloc = x, compute
+
+        def fetch(rec: _Record) -> torch.Tensor:
+            compute = streams.current(rec.device)
+            if rec.prefetched is not None:
+                x, ready, alloc = rec.prefetched, rec.ready, rec.alloc
+                rec.prefetched = rec.ready = rec.alloc = None
+                streams.wait(compute, ready)
+                if compute != alloc:  # used on another stream than it was allocated on: its free waits for that one
+                    streams.keep_for(x, compute)
+                return x
+            # the first tensor backward needs (or a retain_graph rerun): copied back on the compute stream
+            x = torch.empty(rec.host.shape, dtype=rec.host.dtype, device=rec.device)
+            streams.copy(x, rec.host, compute, after=(rec.copied,))
+            return x
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
@@ -140,21 +176,23 @@ class OffloadLayerInputs(torch.autograd.graph.saved_tensors_hooks):
             if isinstance(packed, tuple):
                 host, device = packed
                 return host.to(device, non_blocking=True)
-            rec, compute = packed, streams.current(packed.device)
-            if (x := rec.last()) is not None:  # saved twice and still in use: the same values
-                return x
-            if rec.prefetched is not None:
-                x, ready = rec.prefetched, rec.ready
-                rec.prefetched = rec.ready = None
-                streams.wait(compute, ready)
-            else:  # the first tensor backward needs, or one handed out before (saved twice)
-                streams.wait(compute, rec.copied)
-                x = rec.host.to(rec.device, non_blocking=True)
-            rec.handed, rec.last = True, weakref.ref(x)
-            prefetch(rec.index - 1)  # its copy back runs while this tensor's layer computes backward
+            rec = packed
+            x = rec.out  # a tensor saved twice: the copy its first unpack made
+            if x is None:
+                x = fetch(rec)
+                rec.handed = True
+                prefetch(rec.index - 1)  # its copy back runs while this tensor's layer computes backward
+            rec.unpacks += 1
+            rec.out = x if rec.unpacks < rec.saves else None
+            rec.unpacks %= rec.saves
             return x
 
+        self._retire = retire
         super().__init__(pack, unpack)
+
+    def __exit__(self, *args: Any) -> None:
+        self._retire(0)  # the forward is done: no source outlives it on the GPU (the peak comes after, at the loss)
+        super().__exit__(*args)
 
 
 def streamed() -> bool:
