@@ -456,3 +456,19 @@ def test_compiled_grouped_layers_have_eager_gradients_and_no_graph_break(tiny_mo
     assert abs(l0 - l1) < 1e-5 * abs(l0), (l0, l1)
     rel, name = _worst(g0, g1)
     assert rel < 1e-4, (name, rel)
+
+
+@pytest.mark.parametrize("wanted", [None, False])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+@pytest.mark.parametrize("compiled_checkpoint", [False, True])
+def test_planned_says_what_group_lora_will_try(wanted, fused, dropout, compiled_checkpoint):
+    """grouped.planned (model.py's absmax_once default reads it before grouping) agrees with
+    group_lora's own checks: where it is False group_lora says "off" without the model; where it
+    is True group_lora goes on to the model (None here: it fails reading it)."""
+    args = (wanted, fused, dropout, compiled_checkpoint)
+    if grouped.planned(*args):
+        with pytest.raises(AttributeError):
+            grouped.group_lora(None, *args)
+    else:
+        assert grouped.group_lora(None, *args).startswith("off")

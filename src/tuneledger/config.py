@@ -79,7 +79,7 @@ class JobConfig(BaseModel):
     # double quantization's absmax dequantized once at load (nf4.py): one kernel per weight
     # dequantization instead of three, the same weights bit for bit, +332 MiB on a 7B. null: on
     # where it applies, except where nf4_kernel's nested kernel rebuilds the 8-bit scales in its
-    # own launch (also one kernel, without the memory); true forces it
+    # own launch (also one kernel, without the memory) on ungrouped projections (A, B); true forces it
     absmax_once: bool | None = None
     # LLaMA-Factory's key: Unsloth's FastLanguageModel as the model backend where Unsloth is installed
     # (optional, not in the lock or the image; unsloth_backend.py): its kernels instead of the levers above

@@ -310,6 +310,12 @@ def group_blocker(members: tuple, lora_dropout: float) -> str | None:
     return None
 
 
+def planned(wanted: bool | None, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> bool:
+    """Whether group_lora, given the same arguments, will try to group (it may still find no
+    group, or a group that cannot be): the checks it makes before looking at the model."""
+    return wanted is not False and fused and not lora_dropout and not compiled_checkpoint
+
+
 def group_lora(model: Any, wanted: bool | None, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> str:
     """Run each decoder layer's q/k/v and gate/up LoRA projections as one GroupedLoraProjection
     each. `wanted`: the config's grouped_lora (None: where it applies); `fused`: whether

@@ -206,10 +206,13 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     levers["nf4_kernel"] = _lever(nf4_kernel.use, cfg.nf4_kernel, cfg.nf4_base, levers["fused_lora"].startswith("on"))
     # After the kernel's check (its default depends on it), before grouping, which lays the
     # plain scales out with the weights. The fused projection reads the quant state at each call.
-    levers["absmax_once"] = nf4.absmax_once(model, cfg.absmax_once, cfg.sharded,
-                                            nf4_kernel.rebuilds_nested_scales() and not compiled.dequant_in_graph())
-    levers["grouped_lora"] = _lever(grouped.group_lora, model, wanted["grouped_lora"], levers["fused_lora"].startswith("on"),
-                                    cfg.lora_dropout, compiled.checkpoint_inside_planned(cfg, device.type))
+    # Grouped projections keep absmax_once by default: their 8-bit scales' layout has run with the
+    # nested kernel on CPU (interpreted) only, not yet on a GPU.
+    group_args = (wanted["grouped_lora"], levers["fused_lora"].startswith("on"), cfg.lora_dropout,
+                  compiled.checkpoint_inside_planned(cfg, device.type))
+    levers["absmax_once"] = nf4.absmax_once(model, cfg.absmax_once, cfg.sharded, nf4_kernel.rebuilds_nested_scales()
+                                            and not compiled.dequant_in_graph() and not grouped.planned(*group_args))
+    levers["grouped_lora"] = _lever(grouped.group_lora, model, *group_args)
     levers["swiglu_recompute"] = _lever(swiglu.recompute_swiglu, model, cfg.swiglu_recompute,
                                         levers["fused_lora"].startswith("on"), cfg.gradient_checkpointing)
     levers["compile"] = _lever(compiled.compile_layers, model, wanted["torch_compile"], device.type,
