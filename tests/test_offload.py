@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from tuneledger import compiled, offload
+from tuneledger import compiled, offload, versions
 from tuneledger.config_load import load_config
 
 from test_grouped import DEVICE, _has_bnb
@@ -218,7 +218,7 @@ def test_compiled_layers_with_the_checkpoint_inside_move_their_inputs(tiny_model
     m = _checkpointed(tiny_model, True, compile_layers=True)
     l1, g1 = _grads(m, IDS)
     if not compiled.compile_stats().get("graphs"):
-        assert not compiled._torch_at_least(compiled.COMPILE_MIN_TORCH), compiled.compile_stats()
+        assert not versions.torch_at_least(compiled.COMPILE_MIN_TORCH), compiled.compile_stats()
         pytest.skip(f"torch {torch.__version__}: dynamo compiled no layer graph here (graph breaks in transformers' "
                     "attention lookup); the compiled path is measured from torch 2.9 (compiled.COMPILE_MIN_TORCH)")
     n = m.config.num_hidden_layers
@@ -236,8 +236,7 @@ class SlowSideStreams(offload.CudaStreams):
     def copy(self, dst, src, on, after=()):
         if on == torch.cuda.current_stream(dst.device if dst.is_cuda else src.device):
             return super().copy(dst, src, on, after)
-        for w in after:
-            on.wait_stream(w) if isinstance(w, torch.cuda.Stream) else on.wait_event(w)
+        self.wait_for(on, after)
         with torch.cuda.stream(on):
             torch.cuda._sleep(1 << 22)  # a few ms at GPU clocks
         return super().copy(dst, src, on)

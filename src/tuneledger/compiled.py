@@ -17,8 +17,6 @@ from tuneledger.config import COMPILE_NEEDS_FUSED
 COMPILE_MIN_TORCH = (2, 9)  # what the compiled path was measured on (2.11 on the H200); older: eager by default
 
 
-def _torch_at_least(version: tuple[int, int]) -> bool:
-    return versions.torch_at_least(version)
 
 
 def compile_planned(wanted: bool | None, device_type: str) -> bool:
@@ -26,7 +24,7 @@ def compile_planned(wanted: bool | None, device_type: str) -> bool:
     compile_layers can still say off for auto, when the LoRA projections do not fuse."""
     if wanted is not None:
         return bool(wanted)
-    return device_type == "cuda" and _torch_at_least(COMPILE_MIN_TORCH)
+    return device_type == "cuda" and versions.torch_at_least(COMPILE_MIN_TORCH)
 
 
 def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: bool, quantized: bool,
@@ -49,7 +47,7 @@ def compile_layers(model: Any, wanted: bool | None, device_type: str, fused: boo
         why = "the LoRA projections are not fused; bitsandbytes' own 4-bit matmul is not safe to compile"
     elif device_type != "cuda":
         why = "no CUDA GPU"
-    elif not _torch_at_least(COMPILE_MIN_TORCH):
+    elif not versions.torch_at_least(COMPILE_MIN_TORCH):
         why = f"torch {torch.__version__} < {'.'.join(map(str, COMPILE_MIN_TORCH))}, not measured; torch_compile=true to try"
     if why and not wanted:
         return f"off ({why}{'; compile_cpp_wrapper: nothing compiled to wrap' if cpp_wrapper else ''})"

@@ -35,13 +35,20 @@ def unnest(qs: Any) -> int:
     bitsandbytes.functional.dequantize_4bit computes it at every call. Returns the bytes it added."""
     import torch
 
-    before = qs.absmax.numel() * qs.absmax.element_size() + qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+    added = added_bytes(qs)
     from tuneledger.fused_lora import plain_absmax
 
     with torch.no_grad():
         absmax = plain_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.state2.blocksize)
     qs.absmax, qs.nested, qs.state2, qs.offset = absmax.float(), False, None, None
-    return absmax.numel() * 4 - before
+    return added
+
+
+def added_bytes(qs: Any) -> int:
+    """What unnest() adds to one nested quant state: fp32 scales in place of the 8-bit ones and
+    their own nested scales."""
+    return (qs.absmax.numel() * 4 - qs.absmax.numel() * qs.absmax.element_size()
+            - qs.state2.absmax.numel() * qs.state2.absmax.element_size())
 
 
 def absmax_once(model: Any, wanted: bool | None, sharded: bool = False, kernel_nested: bool = False) -> str:
@@ -59,8 +66,7 @@ def absmax_once(model: Any, wanted: bool | None, sharded: bool = False, kernel_n
     if not states:
         return "off (no double-quantized weight)"
     if wanted is None and kernel_nested:
-        would = sum(qs.absmax.numel() * 4 - qs.absmax.numel() * qs.absmax.element_size()
-                    - qs.state2.absmax.numel() * qs.state2.absmax.element_size() for qs in states)
+        would = sum(added_bytes(qs) for qs in states)
         return (f"off (the NF4 kernel rebuilds double quantization's scales in its own launch: "
                 f"the lever would add {would / 2**20:.0f} MiB for no launch; absmax_once=true forces it)")
     added = sum(unnest(qs) for qs in states)

@@ -59,11 +59,15 @@ class CudaStreams:
             self._side[key] = torch.cuda.Stream(device=device)
         return self._side[key]
 
+    def wait_for(self, on: Any, after: tuple) -> None:
+        """Stream `on` waits for each stream or event of `after`."""
+        for w in after:
+            on.wait_stream(w) if isinstance(w, torch.cuda.Stream) else on.wait_event(w)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, on: Any, after: tuple = ()) -> Any:
         """dst.copy_(src) queued on stream `on` once `on` has waited for each stream or event of
         `after`; returns an event recorded after the copy."""
-        for w in after:
-            on.wait_stream(w) if isinstance(w, torch.cuda.Stream) else on.wait_event(w)
+        self.wait_for(on, after)
         with torch.cuda.stream(on):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
