@@ -86,7 +86,7 @@ class JobConfig(BaseModel):
     use_unsloth: bool = False
     # LLaMA-Factory's key: checkpointed layers' inputs kept in pinned host memory until backward, as
     # Unsloth's checkpointing does (offload.py): less GPU memory for two PCIe copies a layer (B on one
-    # H200: 8.6 -> 8.2 GiB, about 0.6x the tokens/s; bench/results/h200-2026-12-07-call2)
+    # H200: 8.6 -> 8.2 GiB, 0.68x the tokens/s in one call; bench/results/h200-2026-12-07-call1)
     use_unsloth_gc: bool = False
     # padded micro-batches train without their attention mask (right padding makes causal attention
     # alone exact: rows.padding_mask_lever), so SDPA runs its flash kernel. null: on for right-padded rows

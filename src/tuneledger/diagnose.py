@@ -224,7 +224,7 @@ MEMORY_LEVER_WHY = {  # what a memory-bound verdict says of each lever it names
     "swiglu_recompute=true": "one [tokens, intermediate] tensor per layer less kept for backward: D 33.3 -> 27.7 GiB "
                              "for 1% of the step on an H100, docs/speed.md",
     "use_unsloth_gc=true": "the checkpointed layers' inputs wait in pinned host memory until backward, two PCIe "
-                           "copies a layer: B 8.6 -> 8.2 GiB for about 40% of its tokens/s on an H200, docs/speed.md",
+                           "copies a layer: B 8.6 -> 8.2 GiB for about 30% of its tokens/s on an H200, docs/speed.md",
 }
 
 

@@ -5,7 +5,8 @@ Why: with checkpointing, what stays on the GPU between a layer's forward and its
 layer's input, [micro-batch, T, hidden] bf16 per decoder layer: 28 x 2 x 1,000 x 3,584 x 2 bytes,
 about 0.4 GB, at preset B's micro-batch 2 of 1,000-token rows on Qwen2.5-7B. Measured on one H200
 (bench/results/h200-2026-12-07-call2): B moved 333 MiB a micro-batch and ran in 8.2 GiB against
-Unsloth's 8.3, 1.08x Unsloth's tokens/s, but at about 0.6x of B without it (8.6 GiB).
+Unsloth's 8.3, 1.08x Unsloth's tokens/s, but at 0.68x of B without it (8.6 GiB) in one call
+(bench/results/h200-2026-12-07-call1).
 
 How: a saved-tensor hook (torch.autograd.graph.saved_tensors_hooks) around the decoder stack's
 forward copies each [.., T, hidden] floating tensor that autograd keeps (1 MiB or more, contiguous,
