@@ -206,8 +206,8 @@ def load_model(cfg: Any, device: Any) -> tuple[Any, dict]:
     levers["nf4_kernel"] = _lever(nf4_kernel.use, cfg.nf4_kernel, cfg.nf4_base, levers["fused_lora"].startswith("on"))
     # After the kernel's check (its default depends on it), before grouping, which lays the
     # plain scales out with the weights. The fused projection reads the quant state at each call.
-    # Grouped projections keep absmax_once by default: their 8-bit scales' layout has run with the
-    # nested kernel on CPU (interpreted) only, not yet on a GPU.
+    # Grouped projections keep absmax_once by default: there the nested kernel measured slower
+    # (C: 0.82x, bench/results/h100-2026-12-07c-call2), unlike on B's single projections (+18%).
     group_args = (wanted["grouped_lora"], levers["fused_lora"].startswith("on"), cfg.lora_dropout,
                   compiled.checkpoint_inside_planned(cfg, device.type))
     levers["absmax_once"] = nf4.absmax_once(model, cfg.absmax_once, cfg.sharded, nf4_kernel.rebuilds_nested_scales()

@@ -17,7 +17,9 @@ of them, plus an offset): bitsandbytes rebuilds all the fp32 absmax first, a deq
 kernel and an add, two more launches per dequantization. absmax_once does that once at load, for
 +332 MiB on Qwen2.5-7B. Without it, `dequantize_nested` rebuilds each block's absmax inside the
 same kernel, with bitsandbytes' two roundings (the multiply, then the add, never one fma): one
-launch and no memory added (self-checked at start like the plain one; not yet measured on a GPU).
+launch and no memory added (self-checked at start like the plain one). Measured on one H200, preset B:
++18% over absmax_once (bench/results/h200-2026-12-07-call1); on grouped projections (C) 0.82x of it
+(bench/results/h100-2026-12-07c-call2), so model.py keeps absmax_once there.
 
 Scope: NF4, a blocksize (and double quantization's) that is a power of two, a CUDA tensor.
 Anything else goes to bitsandbytes' op. On torch >= 2.6 the op is a torch.library triton_op: a

@@ -13,7 +13,8 @@ forward copies each [.., T, hidden] floating tensor that autograd keeps (1 MiB o
 on a CUDA GPU) into pinned host memory without a host sync, and back when backward unpacks it.
 Both copies are queued on the compute stream: the GPU block is reused only by later work on that
 stream, after the copy (the GPU waits for the copies; they are not overlapped), as Unsloth's
-default does. TUNELEDGER_OFFLOAD=stream (an A/B, not yet measured on a GPU) moves them beside the
+default does. TUNELEDGER_OFFLOAD=stream (an A/B; its GPU tests pass, its speed is not settled:
+bench/results/h100-2026-12-07c-call1) moves them beside the
 compute: each copy to host on a side stream that first waits for the compute stream's work so
 far, its source kept alive until the copy is done (at most INFLIGHT at once, else the compute
 stream waits for the oldest, and none past the forward); in backward, handing a
