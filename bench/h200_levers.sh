@@ -29,9 +29,9 @@ left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 { nvidia-smi; echo "host: $(nproc) CPUs, $(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2), load $(cut -d" " -f1-3 /proc/loadavg)"; ${PY:-python3} -c "import torch, transformers, peft, bitsandbytes, datasets, liger_kernel; from importlib.metadata import version; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'datasets', datasets.__version__, 'liger-kernel', version('liger-kernel'))"; } >> "$LOG" 2>&1
 synth_model "$LOG"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  stamp "the GPU tests: ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py}"
+  stamp "the GPU tests: ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py tests/test_memory_step.py}"
   # SIGINT, not TERM: pytest then stops and still prints the failures and short summary it has so far
-  timeout -s INT -k 15 150 ${PY:-python3} -m pytest -q -rfE --tb=short -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py} > /tmp/logs/test_speed_gpu.log 2>&1
+  timeout -s INT -k 15 150 ${PY:-python3} -m pytest -q -rfE --tb=short -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_speed.py tests/test_grouped.py tests/test_nf4.py tests/test_nf4_kernel.py tests/test_padding_mask.py tests/test_swiglu.py tests/test_liger_backward.py tests/test_offload.py tests/test_memory_step.py} > /tmp/logs/test_speed_gpu.log 2>&1
   stamp "pytest exit $?: $(tail -1 /tmp/logs/test_speed_gpu.log)"
 fi
 if [ "${COMPILE_CHECK:-0}" = 1 ]; then   # eager against compiled gradients, per layer (bench/compile_check.py)
@@ -68,7 +68,7 @@ peer() {  # $1: unsloth | hf; the peers train on the tokenized cache this call's
       stamp "unsloth does not import here: no Unsloth rows ($(tail -1 /tmp/logs/unsloth.log))"; return
     fi
     PYTHONPATH=$PWD/.usite:/tmp/site:${PYTHONPATH:-} timeout -k 10 $(( l - 25 )) python3 bench/peer_unsloth.py --model $MODEL --data "$DATA" \
-      --preset $UNSLOTH_PRESETS ${UNSLOTH_PROFILE:+--profile} --steps $(( STEPS + 4 )) --warmup $(( WARMUP + 1 )) --out "$OUT/unsloth.json" > /tmp/logs/unsloth.log 2>&1
+      --preset $UNSLOTH_PRESETS ${UNSLOTH_PROFILE:+--profile} ${TUNELEDGER_MEMORY_STEP:+--memory} --steps $(( STEPS + 4 )) --warmup $(( WARMUP + 1 )) --out "$OUT/unsloth.json" > /tmp/logs/unsloth.log 2>&1
     stamp "unsloth exit $?: $(grep '^unsloth ' /tmp/logs/unsloth.log | tr '\n' ' ')"
   else
     stamp "plain HF + peft + bitsandbytes: preset D, lora_dropout 0 (at most $(( l - 25 )) s)"
@@ -79,6 +79,8 @@ peer() {  # $1: unsloth | hf; the peers train on the tokenized cache this call's
   fi
 }
 UNSLOTH_PRESETS=${UNSLOTH_PRESETS:-D C}   # UNSLOTH_PROFILE=1: one more step of each profiled (profile-unsloth-<preset>.md)
+# TUNELEDGER_MEMORY_STEP=N (a warm-up step: N <= WARMUP): each dry-run's peak memory of step N split by what
+# holds it (memory-<run>.md), and Unsloth's of one more step (memory-unsloth-<preset>.md)
 variant() {  # $1: a run <preset><variant> (Dauto, Cgroup, ...): sets o (key=value overrides) and e (environment)
   local r=$1
   case ${r:1} in
@@ -142,6 +144,7 @@ for r in $RUNS; do
   stamp "$n exit $rc: $(grep -E "^preset $p:" /tmp/logs/dryrun-$n.log | head -1 | cut -c1-160)"
   [ -z "$DATA" ] && DATA=$(sed -n 's/.*(cache \(.*\))$/\1/p' /tmp/logs/dryrun-$n.log | head -1)
   table+=("$n=/tmp/run-$n")   # a run without its dryrun.json becomes a failed row
+  for m in /tmp/run-$n/memory-step*.md; do [ -f "$m" ] && cp "$m" "$OUT/memory-$n.md"; done
 done
 peers=(); for f in "$OUT/unsloth.json" "$OUT/hf.json"; do [ -f "$f" ] && peers+=("$f"); done
 ${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" ${peers[@]:+--peers "${peers[@]}"} 2>&1 | tee /tmp/logs/bench_table.log
@@ -170,5 +173,5 @@ for p in D C; do
   stamp "syncs warned in one $p warm-up step: $(grep -c 'called a synchronizing' /tmp/logs/dryrun-${p}auto.log)"
 done
 cp "$LOG" "$OUT/"; [ -f /tmp/logs/test_speed_gpu.log ] && cp /tmp/logs/test_speed_gpu.log "$OUT/"
-tar czf "$OUT/levers-runs.tgz" -C /tmp logs $(cd /tmp && ls -d run-*/dryrun.json run-*/dryrun.md 2>/dev/null)
+tar czf "$OUT/levers-runs.tgz" -C /tmp logs $(cd /tmp && ls -d run-*/dryrun.json run-*/dryrun.md run-*/memory-step*.md run-*/memory-step*.json 2>/dev/null)
 stamp done

@@ -13,7 +13,8 @@ own ("unsloth": offloaded). Time: CUDA events at step bounds; tokens are real (n
 
 Presets (micro-batch, checkpointing): A (1, on), B (2, on), C (2, off), D (8, off, padded here).
 Each row: tokens/s on the mean step (the window's wall time) and on the median step, peak allocated
-memory, every step's loss (micro-batch means / accumulation, summed).
+memory, every step's loss (micro-batch means / accumulation, summed). --memory: one more step after
+them, its peak memory split by what holds it (memory-unsloth-<preset>.md, as TUNELEDGER_MEMORY_STEP's).
 """
 
 from __future__ import annotations
@@ -60,13 +61,7 @@ def run_preset(a, preset: str) -> dict:
     torch.cuda.reset_peak_memory_stats()
 
     def one_step() -> torch.Tensor:
-        step_loss = torch.zeros((), device="cuda")
-        for _, batch in micro_batches(it, accum, tokens):
-            loss = model(**batch).loss / accum
-            loss.backward()
-            step_loss += loss.detach().float()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        opt.step()
+        step_loss = one_step_before_zero_grad(model, opt, it, accum, tokens)
         opt.zero_grad(set_to_none=True)
         return step_loss
 
@@ -74,6 +69,13 @@ def run_preset(a, preset: str) -> dict:
     n_tokens = tokens.item()  # the timed window's: the profiled step below adds its own to the counter
     if a.profile:  # one more step, after the timed window, with tuneledger's own kernel-time table
         profile_step(one_step, a.warmup + a.steps + 1, Path(a.out).parent / f"profile-unsloth-{preset}")
+    if a.memory:  # one more step, with tuneledger's split of its peak memory (TUNELEDGER_MEMORY_STEP's)
+        from tuneledger.memory_step import Recorder
+
+        rec, step = Recorder(), a.warmup + a.steps + 1 + bool(a.profile)
+        rec.start()
+        one_step_before_zero_grad(model, opt, it, accum, tokens)
+        print(rec.finish(Path(a.out).parent / f"memory-unsloth-{preset}", step, model, opt), flush=True)
     median = durations[len(durations) // 2]
     out = {"engine": "unsloth", "engine_version": getattr(unsloth, "__version__", "?"), "preset": preset,
            "micro_batch": micro, "accum": accum, "gc": gc, "packed": False, "lora_dropout": 0.0,
@@ -87,6 +89,19 @@ def run_preset(a, preset: str) -> dict:
     del model, opt
     torch.cuda.empty_cache()
     return out
+
+
+def one_step_before_zero_grad(model, opt, it, accum: int, tokens: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of `accum` micro-batches from `it`, its gradients kept (the memory split names
+    them); returns the step's loss (micro-batch means / accumulation, summed)."""
+    step_loss = torch.zeros((), device="cuda")
+    for _, batch in micro_batches(it, accum, tokens):
+        loss = model(**batch).loss / accum
+        loss.backward()
+        step_loss += loss.detach().float()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+    opt.step()
+    return step_loss
 
 
 def profile_step(one_step, step: int, stem: Path) -> None:
@@ -112,6 +127,8 @@ def main() -> None:
     ap = common_args(16, 4)
     ap.add_argument("--cutoff", type=int, default=2048)
     ap.add_argument("--profile", action="store_true", help="profile one step after the timed ones (profile-unsloth-<preset>.md)")
+    ap.add_argument("--memory", action="store_true",
+                    help="split the peak memory of one more step (memory-unsloth-<preset>.md, tuneledger.memory_step)")
     a = ap.parse_args()
     rows = []
     for p in a.preset:

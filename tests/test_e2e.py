@@ -186,8 +186,10 @@ def test_a_dry_run_whose_every_preset_fails_leaves_the_earlier_ledger(tmp_path, 
             "--nproc", "1", "--cpu"]
     # The good run profiles its step 2, a measured one (a run of its own would cost another dry-run):
     # said before the ranks start, marked on the row and in dryrun.md, and the profile is written.
-    first = tl("dryrun", *args, env={"TUNELEDGER_PROFILE_STEP": "2"})
+    # The memory split needs the CUDA allocator: on a CPU it is said, and nothing else changes.
+    first = tl("dryrun", *args, env={"TUNELEDGER_PROFILE_STEP": "2", "TUNELEDGER_MEMORY_STEP": "1"})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "TUNELEDGER_MEMORY_STEP=1: no CUDA GPU here" in first.stdout + first.stderr + (tmp_path / "dry" / "dryrun.log").read_text()
     assert "TUNELEDGER_PROFILE_STEP=2: step 2 is one of the measured steps" in first.stdout
     assert json.loads((tmp_path / "dry" / "dryrun.json").read_text())["presets"][0]["profiled_step"] == 2
     assert "Profiled with TUNELEDGER_PROFILE_STEP among the measured steps: A (step 2)" in (tmp_path / "dry" / "dryrun.md").read_text()

@@ -32,6 +32,10 @@ def test_empty_is_the_default(monkeypatch):
     monkeypatch.setenv("TUNELEDGER_PROFILE_STEP", "abc")  # the profile step is checked with them
     with pytest.raises(ConfigError, match="TUNELEDGER_PROFILE_STEP='abc'"):
         env_levers.check()
+    monkeypatch.delenv("TUNELEDGER_PROFILE_STEP")
+    monkeypatch.setenv("TUNELEDGER_MEMORY_STEP", "0")  # and the memory step, with what it is for
+    with pytest.raises(ConfigError, match="TUNELEDGER_MEMORY_STEP='0': not a step number.*peak memory"):
+        env_levers.check()
 
 
 @pytest.mark.parametrize("verb", [["dryrun"], ["train"], ["tune", "--budget", "1m"]])
@@ -60,7 +64,7 @@ def test_the_container_passes_every_variable_through():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     env = compose["x-environment"]
     names = {e.split("=", 1)[0] for e in env}
-    for name in [*env_levers.CHOICES, "TUNELEDGER_PROFILE_STEP"]:
+    for name in [*env_levers.CHOICES, "TUNELEDGER_PROFILE_STEP", "TUNELEDGER_MEMORY_STEP"]:
         assert name in names, f"{name} is not in docker-compose.yml's x-environment"
         assert name in env, f"{name} should pass through as a bare name (only when set in the shell), not a default"
 

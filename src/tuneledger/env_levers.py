@@ -3,8 +3,8 @@ tune) before any rank starts: a value none of them reads is one sentence and exi
 traceback per rank after every model load, nor a run that silently ignores it. An empty value is
 the same as unset (the default). Each variable is read where it acts (the module named below);
 the ledger's levers line says how every row ran (its `env` entry: `active()`).
-TUNELEDGER_PROFILE_STEP has its own check (profile_step.py), run here too, and so does
-TUNELEDGER_SYNC_DEBUG (a step number). A TUNELEDGER_ name that nothing reads (a misspelt
+TUNELEDGER_PROFILE_STEP has its own check (profile_step.py), run here too, and so do
+TUNELEDGER_MEMORY_STEP and TUNELEDGER_SYNC_DEBUG (step numbers). A TUNELEDGER_ name that nothing reads (a misspelt
 variable) is warned of, with the name it is closest to: it would change nothing.
 """
 
@@ -42,7 +42,7 @@ CHOICES = {
 SYNC_DEBUG = "TUNELEDGER_SYNC_DEBUG"  # a step number: warn at every host sync of that step (probes.SyncDebug)
 # Every other TUNELEDGER_ variable something reads (the check's warning is for names outside all of them).
 OTHERS = {
-    "TUNELEDGER_PROFILE_STEP": "profile_step.py", SYNC_DEBUG: "worker.py",
+    "TUNELEDGER_PROFILE_STEP": "profile_step.py", "TUNELEDGER_MEMORY_STEP": "profile_step.py, memory_step.py", SYNC_DEBUG: "worker.py",
     "TUNELEDGER_GRACE_S": "docker-compose.yml, the seconds a stopped trainer has to save",
     "TUNELEDGER_WRITES": "docker/entrypoint.sh", "TUNELEDGER_BACKOFF_S": "docker/entrypoint.sh",
     "TUNELEDGER_UID": "docker/entrypoint.sh", "TUNELEDGER_GID": "docker/entrypoint.sh",
@@ -59,7 +59,7 @@ def value(name: str) -> str:
 
 
 def check() -> None:
-    """Raise ConfigError naming the first variable of CHOICES (or TUNELEDGER_PROFILE_STEP) whose
+    """Raise ConfigError naming the first variable of CHOICES (or a step number: TUNELEDGER_PROFILE_STEP, _MEMORY_STEP, _SYNC_DEBUG) whose
     value is set, not empty, and not one it accepts."""
     from tuneledger import profile_step
 
@@ -70,6 +70,7 @@ def check() -> None:
         if v and v not in accepted:
             raise ConfigError(f"{name}={v!r}: use {' or '.join(accepted)} ({what}), or unset it")
     profile_step.requested()
+    profile_step.memory_requested()
     sync_debug_step()
 
 

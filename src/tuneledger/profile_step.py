@@ -1,5 +1,5 @@
-"""TUNELEDGER_PROFILE_STEP, read once by the launcher (dry-run and train) before any rank starts:
-a bad value is refused with a sentence instead of a traceback in every rank, a step the run never
+"""TUNELEDGER_PROFILE_STEP (and TUNELEDGER_MEMORY_STEP's step number), read once by the launcher
+(dry-run and train) before any rank starts: a bad value is refused with a sentence instead of a traceback in every rank, a step the run never
 reaches is said instead of a silent "no profile", and a profiled step among a dry-run's measured
 steps is said, since the profiler's own bookkeeping slows it (profile.py)."""
 
@@ -10,12 +10,19 @@ import os
 from tuneledger.config import ConfigError
 
 ENV = "TUNELEDGER_PROFILE_STEP"
+MEMORY_ENV = "TUNELEDGER_MEMORY_STEP"  # memory_step.py: what is live at one step's peak
 
 
 def requested() -> int | None:
     """The optimizer step (1-based) that $TUNELEDGER_PROFILE_STEP asks to profile, None when unset
     or empty. Raises ConfigError for anything but a whole number >= 1."""
     return step_number(ENV, "the optimizer step to profile")
+
+
+def memory_requested() -> int | None:
+    """The optimizer step (1-based) that $TUNELEDGER_MEMORY_STEP asks to split the peak memory of
+    (memory_step.py), None when unset or empty. Raises ConfigError as requested()."""
+    return step_number(MEMORY_ENV, "the optimizer step whose peak memory to split")
 
 
 def step_number(name: str, what: str) -> int | None:

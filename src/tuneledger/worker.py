@@ -162,6 +162,12 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         from tuneledger.profile import StepProfile
 
         trainer.add_callback(StepProfile(profiled, out_dir, rank))
+    if (recorded := profile_step.memory_requested()) and cuda:  # likewise checked by the launcher
+        from tuneledger.memory_step import MemoryStep
+
+        trainer.add_callback(MemoryStep(recorded, out_dir, rank))
+    elif recorded and rank == 0:
+        print(f"note: {profile_step.MEMORY_ENV}={recorded}: no CUDA GPU here, so no allocator history to split", flush=True)
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:

@@ -1,0 +1,241 @@
+"""Where one step's peak memory goes: TUNELEDGER_MEMORY_STEP=N records the CUDA caching allocator's
+history over optimizer step N of a train or dry-run (rank 0) and writes `memory-step<N>.md` and
+`.json` into the run's output dir, and `.pickle`, the snapshot itself, for pytorch.org/memory_viz.
+
+Why: the dry-run's peak allocated says how much, not what. Two tools at the same micro-batch can
+differ by a few hundred MiB (preset B against Unsloth's, docs/measurements.md), and what to cut
+depends on what is live at the peak: kept activations, a dequantized weight, the loss's chunks,
+gradients or the optimizer's state.
+
+How: torch.cuda.memory._record_memory_history (Python stacks) from the step's start to the end of
+its optimizer step. The history is replayed (an allocation counts from its 'alloc' to its
+'free_requested', as torch's allocated-bytes statistic does) to find the step's peak, and what is
+live then is summed by name. Blocks allocated before the step are named by the tensors that hold
+them at the end (the model's 4-bit weights and their scales, frozen 16-bit weights, LoRA weights,
+buffers, gradients, the optimizer's state); the step's own allocations still live at the end
+likewise; the others by the code that made them: the innermost frame outside torch's own files
+(inductor's generated code counts as "compiled"), or "no Python frame" (autograd's backward runs
+in C++ threads). Recording costs about 2 µs per allocation (torch's figure), so a profiled warm-up
+step keeps the measured ones clean.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+MAX_ENTRIES = 400_000  # allocator events kept (a preset C step makes about 60k); older ones are dropped
+TOP = 15  # rows of the step's own allocations, the rest summed
+PACKAGES = ("tuneledger", "transformers", "peft", "liger_kernel", "bitsandbytes", "accelerate", "unsloth",
+            "unsloth_zoo", "flash_attn")
+
+
+def where(frames: list[dict]) -> tuple[str, str]:
+    """(the code, its package) that made an allocation, from its frames (innermost first, as torch
+    records them: {"filename", "line", "name"}): the innermost frame outside torch's own files."""
+    if not frames:
+        return "no Python frame (autograd's backward, or C++)", "-"
+    for f in frames:
+        path = f.get("filename", "")
+        if "torchinductor" in path or path.startswith("<"):  # inductor's generated module; <eval_with_key>: an fx graph
+            return f"compiled code: {f.get('name', '?')}", "compiled"
+        if "/torch/" in path or path.endswith(".c"):
+            continue
+        parts = Path(path).parts
+        pkg = next((p for p in reversed(parts) if p in PACKAGES), None)
+        if pkg is None:  # the user's own script
+            return f"{Path(path).name}:{f.get('line', '?')} {f.get('name', '?')}", Path(path).stem
+        tail = "/".join(parts[len(parts) - 1 - parts[::-1].index(pkg) + 1:])
+        return f"{pkg}/{tail}:{f.get('line', '?')} {f.get('name', '?')}", pkg
+    f = frames[0]
+    return f"torch: {Path(f.get('filename', '?')).name}:{f.get('line', '?')} {f.get('name', '?')}", "torch"
+
+
+def tensor_names(model: Any, optimizer: Any = None, device_type: str = "cuda") -> dict[int, str]:
+    """{storage address: what holds it} for the tensors on `device_type` that a training step keeps
+    across steps: the model's parameters (4-bit base weights, frozen 16- or 32-bit weights, trainable
+    weights: LoRA's), the 4-bit weights' scales (their quant_state), buffers, gradients and the
+    optimizer's state."""
+    import torch
+
+    names: dict[int, str] = {}
+
+    def put(t: Any, label: str) -> None:
+        if hasattr(t, "to_local"):  # a DTensor (preset F): the rank's shard
+            t = t.to_local()
+        if isinstance(t, torch.Tensor) and t.device.type == device_type:
+            names.setdefault(t.untyped_storage().data_ptr(), label)
+
+    params = list(model.parameters()) if model is not None else []
+    for p in params:
+        put(p.grad, "gradients")
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    for st in (getattr(opt, "state", None) or {}).values():
+        for v in st.values():
+            put(v, "optimizer state")
+    for m in model.modules() if model is not None else ():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        if qs is not None:
+            for t in (qs.absmax, qs.code, getattr(qs, "offset", None), *((qs.state2.absmax, qs.state2.code)
+                                                                          if getattr(qs, "state2", None) else ())):
+                put(t, "4-bit scales")
+    for p in params:
+        four_bit = type(p).__name__ == "Params4bit" or p.dtype == torch.uint8
+        put(p, "trainable weights (LoRA)" if p.requires_grad else "4-bit base weights" if four_bit
+            else f"frozen {8 * p.element_size()}-bit weights")
+    for b in model.buffers() if model is not None else ():
+        put(b, "buffers")
+    return names
+
+
+def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int, str], truncated: bool = False) -> dict:
+    """The step's peak and what was live then, from `snapshot` (torch.cuda.memory._snapshot(), taken
+    at the step's end with the history recorded since its start), `allocated_at_start` (bytes,
+    torch.cuda.memory_allocated() as the recording began) and `names` (tensor_names() at the end).
+    Returns {"peak_mib", "at_event", "events", "start_mib", "end_mib", "truncated", "rows": [(held
+    by, package, MiB, blocks)], biggest first}. Raises ValueError for a snapshot without device
+    `device`'s history."""
+    traces = snapshot.get("device_traces") or []
+    if device >= len(traces):
+        raise ValueError(f"memory snapshot: no allocator history for GPU {device} ({len(traces)} recorded)")
+    trace = [e for e in traces[device] if e.get("action") in ("alloc", "free_requested")]
+    active_end = {b["address"]: b["size"] for seg in snapshot.get("segments", ()) if seg.get("device", device) == device
+                  for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
+
+    def walk(stop: int | None):
+        live: dict[int, int] = {}  # address -> index of its alloc event
+        freed_before: dict[int, int] = {}  # blocks from before the step freed so far: address -> bytes
+        total, peak, at = allocated_at_start, allocated_at_start, -1
+        for i, e in enumerate(trace[:stop]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = i
+                total += e["size"]
+            elif e["addr"] in live:
+                del live[e["addr"]]
+                total -= e["size"]
+            else:
+                freed_before[e["addr"]] = e["size"]
+                total -= e["size"]
+            if total > peak:
+                peak, at = total, i
+        return live, freed_before, total, peak, at
+
+    live_end, freed_all, total_end, peak, at = walk(None)
+    live, freed_by_peak, _, _, _ = walk(at + 1)
+    rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(key: tuple[str, str], size: int) -> None:
+        rows[key][0] += size
+        rows[key][1] += 1
+
+    for addr, i in live.items():
+        e = trace[i]
+        same = live_end.get(addr) == i  # the very allocation still live at the end: named by its tensor
+        if same and addr in names:
+            add((f"in the step: {names[addr]}", "-"), e["size"])
+        else:
+            w, pkg = where(e.get("frames") or [])
+            add((f"in the step: {w}", pkg), e["size"])
+    traced_before = 0
+    for addr, size in active_end.items():  # blocks from before the step that are still live at its end
+        if addr not in live_end:
+            add((f"before the step: {names.get(addr, 'other')}", "-"), size)
+            traced_before += size
+    for addr, size in freed_all.items():  # freed between the peak and the end
+        if addr not in freed_by_peak:
+            add(("before the step: freed after the peak", "-"), size)
+            traced_before += size
+    before_at_peak = allocated_at_start - sum(freed_by_peak.values())
+    if before_at_peak - traced_before > 0:  # blocks the snapshot no longer lists (a lost history's, say)
+        add(("before the step: not in the snapshot", "-"), before_at_peak - traced_before)
+    out = sorted(((k[0], k[1], v[0] / 2**20, v[1]) for k, v in rows.items()), key=lambda r: -r[2])
+    return {"peak_mib": peak / 2**20, "at_event": at + 1, "events": len(trace), "start_mib": allocated_at_start / 2**20,
+            "end_mib": total_end / 2**20, "truncated": truncated, "rows": out}
+
+
+def markdown(s: dict, step: int, run_peak_mib: float | None = None) -> str:
+    """split()'s result as the table memory-step<N>.md holds."""
+    mark = f"{100 * s['at_event'] / s['events']:.0f}% of the way" if s["events"] else "at the start"
+    lines = [f"## Memory at the peak of step {step} (rank 0; the CUDA allocator's history)", "",
+             f"This step's peak: **{s['peak_mib']:,.0f} MiB** allocated, at allocator event {s['at_event']:,} of "
+             f"{s['events']:,} ({mark} through the step); {s['start_mib']:,.0f} MiB at its start, "
+             f"{s['end_mib']:,.0f} after its optimizer step"
+             + (f"; the run's peak so far (torch.cuda.max_memory_allocated): {run_peak_mib:,.0f} MiB" if run_peak_mib else "")
+             + ".", ""]
+    if s["truncated"]:
+        lines += [f"The history kept only the last {MAX_ENTRIES:,} events: the step's start is missing, so the "
+                  "peak and the split are of what was kept.", ""]
+    lines += ["| held by | package | MiB | blocks |", "| --- | --- | --- | --- |"]
+    before = [r for r in s["rows"] if r[0].startswith("before")]
+    during = [r for r in s["rows"] if not r[0].startswith("before")]
+    for r in before + during[:TOP]:
+        lines.append(f"| {r[0][:160]} | {r[1]} | {r[2]:,.1f} | {r[3]:,} |")
+    if len(during) > TOP:
+        rest = during[TOP:]
+        lines.append(f"| in the step: {len(rest)} other places | - | {sum(r[2] for r in rest):,.1f} | "
+                     f"{sum(r[3] for r in rest):,} |")
+    return "\n".join(lines) + "\n"
+
+
+class Recorder:
+    """One step's recording: start() as the step begins, finish() after its optimizer step."""
+
+    def __init__(self):
+        self.start_bytes: int | None = None
+
+    def start(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.start_bytes = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
+
+    def finish(self, stem: Path, step: int, model: Any = None, optimizer: Any = None) -> str:
+        """Stop recording; write `<stem>.json`, `.md` and `.pickle`; return the table."""
+        import torch
+
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        device = torch.cuda.current_device()
+        traces = snap.get("device_traces") or []
+        kept = len(traces[device]) if device < len(traces) else 0
+        s = split(snap, device, self.start_bytes, tensor_names(model, optimizer), truncated=kept >= MAX_ENTRIES)
+        self.start_bytes = None
+        run_peak = torch.cuda.max_memory_allocated() / 2**20
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".json").write_text(json.dumps({**s, "step": step, "run_peak_mib": run_peak}, indent=1))
+        with open(stem.with_suffix(".pickle"), "wb") as f:
+            pickle.dump(snap, f)
+        md = markdown(s, step, run_peak)
+        stem.with_suffix(".md").write_text(md)
+        return md
+
+
+class MemoryStep(TrainerCallback):
+    """Record optimizer step `step` (1-based) on rank 0; write the split into `out_dir`."""
+
+    def __init__(self, step: int, out_dir: Path, rank: int = 0):
+        self.step, self.out_dir, self.rank = step, Path(out_dir), rank
+        self.rec: Recorder | None = None
+
+    def on_step_begin(self, args, state, control, **kw):
+        import torch
+
+        if state.global_step + 1 != self.step or self.rank != 0 or not torch.cuda.is_available():
+            return
+        self.rec = Recorder()
+        self.rec.start()
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        # before zero_grad: the gradients are still there to be named
+        if self.rec is not None:
+            rec, self.rec = self.rec, None
+            print(rec.finish(self.out_dir / f"memory-step{self.step}", self.step, model, optimizer), flush=True)
+
+    on_step_end = on_optimizer_step  # a Trainer without on_optimizer_step: after zero_grad, gradients unnamed
