@@ -193,7 +193,7 @@ class Recorder:
 
         torch.cuda.synchronize()
         self.start_bytes = torch.cuda.memory_allocated()
-        torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
+        torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, context="alloc", stacks="python")
 
     def finish(self, stem: Path, step: int, model: Any = None, optimizer: Any = None) -> str:
         """Stop recording; write `<stem>.json`, `.md` and `.pickle`; return the table."""
