@@ -144,3 +144,21 @@ def test_on_a_gpu_the_peak_found_is_torchs_own(tmp_path):
     assert rows["before the step: optimizer state"] == pytest.approx(2 * weights, rel=0.01)
     assert 0 < rows.get("in the step: gradients", 0) <= weights * 1.01  # the peak may come before the last one
     assert (tmp_path / "memory-step2.pickle").stat().st_size > 0 and "This step's peak" in md
+
+
+def test_a_failing_split_is_said_and_the_run_goes_on(monkeypatch, tmp_path, capsys):
+    """A diagnosis must never end the run it watches: finish() raising is one note, and the
+    recording is switched off."""
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append((a, k)))
+
+    class Broken(memory_step.Recorder):
+        def finish(self, *a, **k):
+            raise RuntimeError("snapshot failed")
+
+    cb = memory_step.MemoryStep(3, tmp_path)
+    cb.rec = Broken()
+    cb.on_optimizer_step(None, None, None, model=None, optimizer=None)
+    assert "TUNELEDGER_MEMORY_STEP=3: no memory split (RuntimeError: snapshot failed)" in capsys.readouterr().out
+    assert calls == [((), {"enabled": None})] and cb.rec is None
+    cb.on_step_end(None, None, None)  # after it, nothing left to do

@@ -236,6 +236,12 @@ class MemoryStep(TrainerCallback):
         # before zero_grad: the gradients are still there to be named
         if self.rec is not None:
             rec, self.rec = self.rec, None
-            print(rec.finish(self.out_dir / f"memory-step{self.step}", self.step, model, optimizer), flush=True)
+            try:
+                print(rec.finish(self.out_dir / f"memory-step{self.step}", self.step, model, optimizer), flush=True)
+            except Exception as e:  # noqa: BLE001  a diagnosis must never end the run it watches
+                import torch
+
+                torch.cuda.memory._record_memory_history(enabled=None)
+                print(f"note: TUNELEDGER_MEMORY_STEP={self.step}: no memory split ({type(e).__name__}: {e})", flush=True)
 
     on_step_end = on_optimizer_step  # a Trainer without on_optimizer_step: after zero_grad, gradients unnamed
