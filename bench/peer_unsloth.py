@@ -73,9 +73,13 @@ def run_preset(a, preset: str) -> dict:
         from tuneledger.memory_step import Recorder
 
         rec, step = Recorder(), a.warmup + a.steps + 1 + bool(a.profile)
-        rec.start()
-        one_step_before_zero_grad(model, opt, it, accum, tokens)
-        print(rec.finish(Path(a.out).parent / f"memory-unsloth-{preset}", step, model, opt), flush=True)
+        try:
+            rec.start()
+            one_step_before_zero_grad(model, opt, it, accum, tokens)
+            print(rec.finish(Path(a.out).parent / f"memory-unsloth-{preset}", step, model, opt), flush=True)
+        except Exception as e:  # noqa: BLE001  the timed row above stands without it
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"unsloth {preset}: no memory split ({type(e).__name__}: {e})", flush=True)
     median = durations[len(durations) // 2]
     out = {"engine": "unsloth", "engine_version": getattr(unsloth, "__version__", "?"), "preset": preset,
            "micro_batch": micro, "accum": accum, "gc": gc, "packed": False, "lora_dropout": 0.0,

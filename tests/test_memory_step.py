@@ -17,6 +17,9 @@ OURS = {"filename": "/work/src/tuneledger/fused_lora.py", "line": 140, "name": "
 INDUCTOR = {"filename": "/tmp/torchinductor_root/ab/cabc123.py", "line": 900, "name": "call"}
 
 
+K = 512  # the allocator's block: the synthetic histories count in blocks
+
+
 def alloc(addr, size, *frames):
     return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
 
@@ -30,19 +33,22 @@ def snapshot(trace, active):
     return {"segments": [{"device": 0, "blocks": [{"address": a, "size": s, "state": "active_allocated"}
                                                   for a, s in active.items()]
                           + [{"address": 999, "size": 64, "state": "inactive"}]}],
-            "device_traces": [trace + [{"action": "free_completed", "addr": 10, "size": 300, "frames": []}]]}
+            "device_traces": [trace + [{"action": "free_completed", "addr": 10, "size": 300, "frames": []},
+                                       {"action": "segment_alloc", "addr": 0, "size": 2**21, "frames": []},
+                                       {"action": "segment_map", "addr": 0, "size": 2**21, "frames": []}]]}
 
 
 def test_the_peak_and_what_is_live_then_add_up_to_it():
-    # before the step: 600 B of base weights at 1, 400 B at 2 that the step frees after its peak
-    trace = [alloc(10, 300, OURS), alloc(11, 500), free(10, 300), alloc(12, 200, INDUCTOR),
-             alloc(13, 250, TORCH, QWEN),  # the peak: 1,000 + 500 + 200 + 250
-             free(2, 400), free(11, 500), free(13, 250)]
-    s = split(snapshot(trace, {1: 600, 12: 200}), 0, 1000, {1: "4-bit base weights", 12: "gradients"})
-    assert s["peak_mib"] * 2**20 == pytest.approx(1950)
+    # before the step: 600 K of base weights at 1, 400 K at 2 that the step frees after its peak
+    trace = [alloc(10, 300 * K, OURS), alloc(11, 500 * K), free(10, 300 * K), alloc(12, 200 * K, INDUCTOR),
+             alloc(13, 250 * K, TORCH, QWEN),  # the peak: 1,000 + 500 + 200 + 250
+             free(2, 400 * K), free(11, 500 * K), free(13, 250 * K)]
+    s = split(snapshot(trace, {1: 600 * K, 12: 200 * K}), 0, 1000 * K, {1: "4-bit base weights", 12: "gradients"},
+              allocated_at_end=800 * K)
+    assert s["peak_mib"] * 2**20 == 1950 * K
     assert s["at_event"] == 5 and s["events"] == 8  # free_completed is not an event of allocated bytes
-    assert s["end_mib"] * 2**20 == pytest.approx(800)
-    rows = {r[0]: (r[1], round(r[2] * 2**20), r[3]) for r in s["rows"]}
+    assert s["end_mib"] * 2**20 == 800 * K and s["replay_gap_mib"] == 0
+    rows = {r[0]: (r[1], round(r[2] * 2**20 / K), r[3]) for r in s["rows"]}
     assert rows == {
         "before the step: 4-bit base weights": ("-", 600, 1),
         "before the step: freed after the peak": ("-", 400, 1),
@@ -50,30 +56,34 @@ def test_the_peak_and_what_is_live_then_add_up_to_it():
         "in the step: no Python frame (autograd's backward, or C++)": ("-", 500, 1),
         "in the step: transformers/models/qwen2/modeling_qwen2.py:60 forward": ("transformers", 250, 1),
     }
-    assert sum(r[2] for r in s["rows"]) * 2**20 == pytest.approx(1950)
+    assert sum(r[2] for r in s["rows"]) * 2**20 == 1950 * K
     assert [r[2] for r in s["rows"]] == sorted((r[2] for r in s["rows"]), reverse=True)
 
 
 def test_a_block_freed_before_the_peak_is_not_in_it_and_a_reused_address_is_named_only_when_it_is_that_tensor():
-    trace = [free(2, 400),  # a block from before the step, gone before the peak
-             alloc(2, 100, OURS),  # its address reused by the step: live at the end, named
-             alloc(5, 300, OURS), free(5, 300),  # an earlier allocation at a named address: by its code
-             alloc(5, 50, INDUCTOR), alloc(6, 700, OURS),  # the peak: 600 + 100 + 50 + 700
-             free(6, 700)]
-    s = split(snapshot(trace, {1: 600, 2: 100, 5: 50}), 0, 1000, {1: "LoRA weights", 2: "optimizer state", 5: "gradients"})
-    assert s["peak_mib"] * 2**20 == pytest.approx(1450)
-    rows = {r[0]: round(r[2] * 2**20) for r in s["rows"]}
-    assert rows == {"before the step: LoRA weights": 600, "in the step: optimizer state": 100,
+    trace = [free(2, 400 * K),  # a block from before the step, gone before the peak
+             alloc(2, 100 * K, OURS),  # its address reused by the step: live at the end, named
+             alloc(5, 300 * K, OURS), free(5, 300 * K),  # an earlier allocation at a named address: by its code
+             alloc(5, 50 * K, INDUCTOR), alloc(6, 700 * K, OURS),  # the peak: 600 + 100 + 50 + 700
+             free(6, 700 * K)]
+    s = split(snapshot(trace, {1: 600 * K, 2: 100 * K, 5: 50 * K}), 0, 1000 * K,
+              {1: "trainable weights (LoRA)", 2: "optimizer state", 5: "gradients"})
+    assert s["peak_mib"] * 2**20 == 1450 * K
+    rows = {r[0]: round(r[2] * 2**20 / K) for r in s["rows"]}
+    assert rows == {"before the step: trainable weights (LoRA)": 600, "in the step: optimizer state": 100,
                     "in the step: gradients": 50, "in the step: tuneledger/fused_lora.py:140 forward": 700}
 
 
-def test_a_history_without_the_start_says_what_it_could_not_place():
-    """A block from before the step that the snapshot no longer lists (a history that lost its start)
-    is still counted at the peak, under its own row, so the rows add up to the peak."""
-    s = split(snapshot([alloc(7, 100, OURS)], {}), 0, 1000, {}, truncated=True)
-    rows = {r[0]: round(r[2] * 2**20) for r in s["rows"]}
-    assert rows == {"before the step: not in the snapshot": 1000, "in the step: tuneledger/fused_lora.py:140 forward": 100}
-    assert "kept only the last" in memory_step.markdown(s, 3)
+def test_requests_count_as_the_blocks_torch_counts():
+    """The history gives requested bytes, torch's allocated statistic block bytes (512 at least, in
+    steps of 512): 4 B is a 512-B block, 1,000 B a 1,024-B one; a block still live at the end is
+    counted as the snapshot sizes it, and a replay that ends away from torch's count says so."""
+    trace = [alloc(20, 4, OURS), alloc(21, 1000, OURS), alloc(22, 3000, OURS), free(20, 4)]
+    s = split(snapshot(trace, {21: 1024, 22: 4096}), 0, 0, {}, allocated_at_end=1024 + 4096)
+    assert s["peak_mib"] * 2**20 == 512 + 1024 + 4096 and s["replay_gap_mib"] == 0
+    off = split(snapshot(trace, {21: 1024, 22: 4096}), 0, 0, {}, allocated_at_end=1024 + 4096 + 3 * 2**20)
+    assert off["replay_gap_mib"] == 3 and "The replay ends +3.0 MiB from torch's own count" in memory_step.markdown(off, 2)
+    assert memory_step.block_bytes(1) == 512 and memory_step.block_bytes(512) == 512 and memory_step.block_bytes(513) == 1024
 
 
 def test_where_names_the_innermost_frame_outside_torch():
@@ -83,10 +93,16 @@ def test_where_names_the_innermost_frame_outside_torch():
     assert where([TORCH]) == ("torch: linear.py:125 forward", "torch")
     assert where([])[1] == "-"
     assert where([{"filename": "/home/me/train_my.py", "line": 3, "name": "main"}]) == ("train_my.py:3 main", "train_my")
+    trl = {"filename": "/venv/lib/python3.12/site-packages/trl/trainer/sft_trainer.py", "line": 1, "name": "f"}
+    assert where([trl]) == ("trl/trainer/sft_trainer.py:1 f", "trl")  # any installed package, listed or not
+    runpy = {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"}
+    assert where([runpy, {"filename": "/x/bin/script.py", "line": 2, "name": "main"}]) == ("script.py:2 main", "script")
+    functorch = {"filename": "/venv/lib/python3.12/site-packages/functorch/x.py", "line": 1, "name": "g"}
+    assert where([functorch, QWEN])[1] == "transformers"
 
 
 def test_the_table_lists_before_then_the_biggest_of_the_step_and_sums_the_rest():
-    trace = [alloc(100 + i, 1000 + i, {"filename": f"/x/tuneledger/m{i}.py", "line": i, "name": "f"})
+    trace = [alloc(100 + i, (i + 1) * K, {"filename": f"/x/tuneledger/m{i}.py", "line": i, "name": "f"})
              for i in range(memory_step.TOP + 3)]
     s = split(snapshot(trace, {1: 10}), 0, 10, {1: "buffers"})
     md = memory_step.markdown(s, 4, run_peak_mib=1.5)
@@ -123,6 +139,15 @@ def test_tensor_names_tells_the_kept_tensors_apart():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the allocator's history)")
 def test_on_a_gpu_the_peak_found_is_torchs_own(tmp_path):
+    # the launcher's allocator setting (launch.py): blocks are their requests rounded to 512 B
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        _peak_found_is_torchs_own(tmp_path)
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+
+
+def _peak_found_is_torchs_own(tmp_path):
     torch.cuda.empty_cache()
     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
     opt = torch.optim.AdamW(model.parameters())
@@ -133,16 +158,22 @@ def test_on_a_gpu_the_peak_found_is_torchs_own(tmp_path):
     torch.cuda.reset_peak_memory_stats()
     rec = memory_step.Recorder()
     rec.start()
-    model(x).square().mean().backward()
+    loss = model(x).square().mean()
+    small = [torch.ones((), device="cuda") * i for i in range(200)]  # 4-B requests in 512-B blocks
+    odd = torch.empty(1_000_001, dtype=torch.uint8, device="cuda")  # a request that is not a whole block
+    loss.backward()
     opt.step()
     md = rec.finish(tmp_path / "memory-step2", 2, model, opt)
+    del small, odd
     s = json.loads((tmp_path / "memory-step2.json").read_text())
-    assert s["peak_mib"] == pytest.approx(torch.cuda.max_memory_allocated() / 2**20, abs=0.01)
+    assert s["peak_mib"] * 2**20 == torch.cuda.max_memory_allocated()  # exact: block bytes, as torch counts
+    assert s["replay_gap_mib"] == 0
     rows = {r[0]: r[2] for r in s["rows"]}
     weights = sum(p.numel() * 4 for p in model.parameters()) / 2**20
     assert rows["before the step: trainable weights (LoRA)"] == pytest.approx(weights, rel=0.01)
     assert rows["before the step: optimizer state"] == pytest.approx(2 * weights, rel=0.01)
     assert 0 < rows.get("in the step: gradients", 0) <= weights * 1.01  # the peak may come before the last one
+    assert sum(rows.values()) == pytest.approx(s["peak_mib"])
     assert (tmp_path / "memory-step2.pickle").stat().st_size > 0 and "This step's peak" in md
 
 
@@ -162,3 +193,27 @@ def test_a_failing_split_is_said_and_the_run_goes_on(monkeypatch, tmp_path, caps
     assert "TUNELEDGER_MEMORY_STEP=3: no memory split (RuntimeError: snapshot failed)" in capsys.readouterr().out
     assert calls == [((), {"enabled": None})] and cb.rec is None
     cb.on_step_end(None, None, None)  # after it, nothing left to do
+
+
+def test_the_callback_records_its_step_on_rank_0_and_a_failing_start_is_said(monkeypatch, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory_step.Recorder, "start", lambda self: started.append(self))
+    cb = memory_step.MemoryStep(3, tmp_path)
+    cb.on_step_begin(None, SimpleNamespace(global_step=1), None)  # step 2
+    assert not started and cb.rec is None
+    memory_step.MemoryStep(3, tmp_path, rank=1).on_step_begin(None, SimpleNamespace(global_step=2), None)
+    assert not started
+    cb.on_step_begin(None, SimpleNamespace(global_step=2), None)  # step 3, rank 0
+    assert len(started) == 1 and cb.rec is started[0]
+
+    def no_history(self):
+        raise RuntimeError("cudaMallocAsync does not yet support recordHistory")
+
+    monkeypatch.setattr(memory_step.Recorder, "start", no_history)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    cb = memory_step.MemoryStep(3, tmp_path)
+    cb.on_step_begin(None, SimpleNamespace(global_step=2), None)
+    assert cb.rec is None and "no memory split (RuntimeError: cudaMallocAsync" in capsys.readouterr().out

@@ -32,7 +32,15 @@ from transformers import TrainerCallback
 MAX_ENTRIES = 400_000  # allocator events kept (a preset C step makes about 60k); older ones are dropped
 TOP = 15  # rows of the step's own allocations, the rest summed
 PACKAGES = ("tuneledger", "transformers", "peft", "liger_kernel", "bitsandbytes", "accelerate", "unsloth",
-            "unsloth_zoo", "flash_attn")
+            "unsloth_zoo", "flash_attn")  # named from a source checkout too (outside site-packages)
+BLOCK = 512  # the caching allocator's smallest block and its rounding (c10's kMinBlockSize)
+
+
+def block_bytes(requested: int) -> int:
+    """The bytes torch's allocated statistic counts for a request of `requested` bytes: rounded up to
+    BLOCK (exact with expandable segments, the launcher's default; without them a large block can
+    keep an unsplit remainder, which the end-of-step check shows)."""
+    return max(BLOCK, -(-requested // BLOCK) * BLOCK)
 
 
 def where(frames: list[dict]) -> tuple[str, str]:
@@ -42,15 +50,22 @@ def where(frames: list[dict]) -> tuple[str, str]:
         return "no Python frame (autograd's backward, or C++)", "-"
     for f in frames:
         path = f.get("filename", "")
-        if "torchinductor" in path or path.startswith("<"):  # inductor's generated module; <eval_with_key>: an fx graph
+        if "torchinductor" in path or path.startswith(("<eval_with_key", "<fx")):  # inductor's module; an fx graph
             return f"compiled code: {f.get('name', '?')}", "compiled"
-        if "/torch/" in path or path.endswith(".c"):
+        if path.startswith("<") or path.endswith(".c"):  # <frozen runpy>, <string>: Python's own
             continue
         parts = Path(path).parts
-        pkg = next((p for p in reversed(parts) if p in PACKAGES), None)
-        if pkg is None:  # the user's own script
+        site = max((i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages")), default=None)
+        if site is not None and site + 1 < len(parts):  # an installed package: the folder after site-packages
+            pkg = parts[site + 1].removesuffix(".py")
+            tail = "/".join(parts[site + 2:]) or parts[site + 1]
+        elif any(p in PACKAGES for p in parts):  # a source checkout (src/tuneledger/...)
+            i = max(i for i, p in enumerate(parts) if p in PACKAGES)
+            pkg, tail = parts[i], "/".join(parts[i + 1:])
+        else:  # the user's own script
             return f"{Path(path).name}:{f.get('line', '?')} {f.get('name', '?')}", Path(path).stem
-        tail = "/".join(parts[len(parts) - 1 - parts[::-1].index(pkg) + 1:])
+        if pkg in ("torch", "functorch"):
+            continue
         return f"{pkg}/{tail}:{f.get('line', '?')} {f.get('name', '?')}", pkg
     f = frames[0]
     return f"torch: {Path(f.get('filename', '?')).name}:{f.get('line', '?')} {f.get('name', '?')}", "torch"
@@ -66,10 +81,13 @@ def tensor_names(model: Any, optimizer: Any = None, device_type: str = "cuda") -
     names: dict[int, str] = {}
 
     def put(t: Any, label: str) -> None:
-        if hasattr(t, "to_local"):  # a DTensor (preset F): the rank's shard
-            t = t.to_local()
-        if isinstance(t, torch.Tensor) and t.device.type == device_type:
-            names.setdefault(t.untyped_storage().data_ptr(), label)
+        try:
+            if hasattr(t, "to_local"):  # a DTensor (preset F): the rank's shard
+                t = t.to_local()
+            if isinstance(t, torch.Tensor) and t.device.type == device_type:
+                names.setdefault(t.untyped_storage().data_ptr(), label)
+        except (RuntimeError, NotImplementedError, TypeError):  # a subclass without a storage of its own: unnamed
+            pass
 
     params = list(model.parameters()) if model is not None else []
     for p in params:
@@ -80,9 +98,10 @@ def tensor_names(model: Any, optimizer: Any = None, device_type: str = "cuda") -
             put(v, "optimizer state")
     for m in model.modules() if model is not None else ():
         qs = getattr(getattr(m, "weight", None), "quant_state", None)
-        if qs is not None:
-            for t in (qs.absmax, qs.code, getattr(qs, "offset", None), *((qs.state2.absmax, qs.state2.code)
-                                                                          if getattr(qs, "state2", None) else ())):
+        if qs is not None:  # bitsandbytes' QuantState; another quantizer's state has other fields
+            state2 = getattr(qs, "state2", None)
+            for t in (getattr(qs, "absmax", None), getattr(qs, "code", None), getattr(qs, "offset", None),
+                      getattr(state2, "absmax", None), getattr(state2, "code", None)):
                 put(t, "4-bit scales")
     for p in params:
         four_bit = type(p).__name__ == "Params4bit" or p.dtype == torch.uint8
@@ -93,11 +112,15 @@ def tensor_names(model: Any, optimizer: Any = None, device_type: str = "cuda") -
     return names
 
 
-def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int, str], truncated: bool = False) -> dict:
+def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int, str], truncated: bool = False,
+          allocated_at_end: int | None = None) -> dict:
     """The step's peak and what was live then, from `snapshot` (torch.cuda.memory._snapshot(), taken
-    at the step's end with the history recorded since its start), `allocated_at_start` (bytes,
-    torch.cuda.memory_allocated() as the recording began) and `names` (tensor_names() at the end).
-    Returns {"peak_mib", "at_event", "events", "start_mib", "end_mib", "truncated", "rows": [(held
+    at the step's end with the history recorded since its start), `allocated_at_start` and
+    `allocated_at_end` (bytes, torch.cuda.memory_allocated() as the recording began and as the
+    snapshot was taken) and `names` (tensor_names() at the end). The history gives requested bytes:
+    each is counted as its block (block_bytes; the snapshot's own size for a block still live).
+    Returns {"peak_mib", "at_event", "events", "start_mib", "end_mib", "replay_gap_mib" (torch's
+    count at the end less the replay's: 0 when every block was placed), "truncated", "rows": [(held
     by, package, MiB, blocks)], biggest first}. Raises ValueError for a snapshot without device
     `device`'s history."""
     traces = snapshot.get("device_traces") or []
@@ -107,20 +130,27 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     active_end = {b["address"]: b["size"] for seg in snapshot.get("segments", ()) if seg.get("device", device) == device
                   for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
 
+    unfreed: dict[int, int] = {}  # address -> index of an alloc not freed by the end
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            unfreed[e["addr"]] = i
+        else:
+            unfreed.pop(e["addr"], None)
+    exact = {i: active_end[a] for a, i in unfreed.items() if a in active_end}  # block sizes the snapshot gives
+
     def walk(stop: int | None):
-        live: dict[int, int] = {}  # address -> index of its alloc event
+        live: dict[int, tuple[int, int]] = {}  # address -> (index of its alloc event, block bytes)
         freed_before: dict[int, int] = {}  # blocks from before the step freed so far: address -> bytes
         total, peak, at = allocated_at_start, allocated_at_start, -1
         for i, e in enumerate(trace[:stop]):
             if e["action"] == "alloc":
-                live[e["addr"]] = i
-                total += e["size"]
+                live[e["addr"]] = (i, exact.get(i) or block_bytes(e["size"]))
+                total += live[e["addr"]][1]
             elif e["addr"] in live:
-                del live[e["addr"]]
-                total -= e["size"]
+                total -= live.pop(e["addr"])[1]
             else:
-                freed_before[e["addr"]] = e["size"]
-                total -= e["size"]
+                freed_before[e["addr"]] = block_bytes(e["size"])
+                total -= freed_before[e["addr"]]
             if total > peak:
                 peak, at = total, i
         return live, freed_before, total, peak, at
@@ -133,14 +163,13 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
         rows[key][0] += size
         rows[key][1] += 1
 
-    for addr, i in live.items():
-        e = trace[i]
-        same = live_end.get(addr) == i  # the very allocation still live at the end: named by its tensor
+    for addr, (i, size) in live.items():
+        same = live_end.get(addr, (None,))[0] == i  # the very allocation still live at the end: named by its tensor
         if same and addr in names:
-            add((f"in the step: {names[addr]}", "-"), e["size"])
+            add((f"in the step: {names[addr]}", "-"), size)
         else:
-            w, pkg = where(e.get("frames") or [])
-            add((f"in the step: {w}", pkg), e["size"])
+            w, pkg = where(trace[i].get("frames") or [])
+            add((f"in the step: {w}", pkg), size)
     traced_before = 0
     for addr, size in active_end.items():  # blocks from before the step that are still live at its end
         if addr not in live_end:
@@ -154,8 +183,9 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     if before_at_peak - traced_before > 0:  # blocks the snapshot no longer lists (a lost history's, say)
         add(("before the step: not in the snapshot", "-"), before_at_peak - traced_before)
     out = sorted(((k[0], k[1], v[0] / 2**20, v[1]) for k, v in rows.items()), key=lambda r: -r[2])
+    gap = 0.0 if allocated_at_end is None else (allocated_at_end - total_end) / 2**20
     return {"peak_mib": peak / 2**20, "at_event": at + 1, "events": len(trace), "start_mib": allocated_at_start / 2**20,
-            "end_mib": total_end / 2**20, "truncated": truncated, "rows": out}
+            "end_mib": total_end / 2**20, "replay_gap_mib": gap, "truncated": truncated, "rows": out}
 
 
 def markdown(s: dict, step: int, run_peak_mib: float | None = None) -> str:
@@ -167,6 +197,10 @@ def markdown(s: dict, step: int, run_peak_mib: float | None = None) -> str:
              f"{s['end_mib']:,.0f} after its optimizer step"
              + (f"; the run's peak so far (torch.cuda.max_memory_allocated): {run_peak_mib:,.0f} MiB" if run_peak_mib else "")
              + ".", ""]
+    if abs(s.get("replay_gap_mib", 0.0)) >= 1:
+        lines += [f"The replay ends {s['replay_gap_mib']:+,.1f} MiB from torch's own count after the step (blocks bigger "
+                  "than their requests: set expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF, the launcher's "
+                  "default): the peak and the rows are off by about that much.", ""]
     if s["truncated"]:
         lines += [f"The history kept only the last {MAX_ENTRIES:,} events: the step's start is missing, so the "
                   "peak and the split are of what was kept.", ""]
@@ -192,6 +226,9 @@ class Recorder:
         import torch
 
         torch.cuda.synchronize()
+        # Off first: torch keeps the history of a recording already on (a user's own), which the
+        # replay would take for this step's. That recording ends here (said in docs/speed.md).
+        torch.cuda.memory._record_memory_history(enabled=None)
         self.start_bytes = torch.cuda.memory_allocated()
         torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, context="alloc", stacks="python")
 
@@ -200,12 +237,14 @@ class Recorder:
         import torch
 
         torch.cuda.synchronize()
+        end_bytes = torch.cuda.memory_allocated()
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         device = torch.cuda.current_device()
         traces = snap.get("device_traces") or []
         kept = len(traces[device]) if device < len(traces) else 0
-        s = split(snap, device, self.start_bytes, tensor_names(model, optimizer), truncated=kept >= MAX_ENTRIES)
+        s = split(snap, device, self.start_bytes, tensor_names(model, optimizer), truncated=kept >= MAX_ENTRIES,
+                  allocated_at_end=end_bytes)
         self.start_bytes = None
         run_peak = torch.cuda.max_memory_allocated() / 2**20
         stem.parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +269,11 @@ class MemoryStep(TrainerCallback):
         if state.global_step + 1 != self.step or self.rank != 0 or not torch.cuda.is_available():
             return
         self.rec = Recorder()
-        self.rec.start()
+        try:
+            self.rec.start()
+        except Exception as e:  # noqa: BLE001  cudaMallocAsync has no history: said, and the run goes on
+            self.rec = None
+            self._off(e)
 
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
         # before zero_grad: the gradients are still there to be named
@@ -239,9 +282,15 @@ class MemoryStep(TrainerCallback):
             try:
                 print(rec.finish(self.out_dir / f"memory-step{self.step}", self.step, model, optimizer), flush=True)
             except Exception as e:  # noqa: BLE001  a diagnosis must never end the run it watches
-                import torch
+                self._off(e)
 
-                torch.cuda.memory._record_memory_history(enabled=None)
-                print(f"note: TUNELEDGER_MEMORY_STEP={self.step}: no memory split ({type(e).__name__}: {e})", flush=True)
+    def _off(self, e: Exception) -> None:
+        import torch
+
+        try:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        except Exception:  # noqa: BLE001, S110  nothing was recording
+            pass
+        print(f"note: TUNELEDGER_MEMORY_STEP={self.step}: no memory split ({type(e).__name__}: {e})", flush=True)
 
     on_step_end = on_optimizer_step  # a Trainer without on_optimizer_step: after zero_grad, gradients unnamed
