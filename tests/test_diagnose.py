@@ -75,7 +75,8 @@ def test_threshold_edges():
 def test_memory_bound_levers_fit_the_config():
     mem = {"util_mean_pct": 60, "mem_peak_frac": 0.97, "allreduce_share": 0.0, "data_wait_share": 0.0}
     assert diagnose({**mem, "micro_batch": 4, "gradient_checkpointing": False})["lever"] == \
-        "gradient checkpointing on, or a smaller micro-batch (accumulation keeps the global batch)"
+        ("gradient checkpointing on, or a smaller micro-batch (accumulation keeps the global batch); "
+         "what is live at the peak: TUNELEDGER_MEMORY_STEP=2 (docs/speed.md)")
     assert diagnose({**mem, "micro_batch": 4, "gradient_checkpointing": True})["lever"].startswith("a smaller micro-batch")
     assert "shorter cutoff_len" in diagnose({**mem, "micro_batch": 1, "gradient_checkpointing": True})["lever"]
 

@@ -172,7 +172,7 @@ def diagnose(inputs: dict, thresholds: DiagnosisThresholds | None = None) -> dic
             levers.append("a smaller micro-batch (accumulation keeps the global batch)")
         if not levers:
             levers.append("GC is on and micro-batch is 1: a shorter cutoff_len, a lower LoRA rank, or a GPU with more memory")
-        lever = ", or ".join(levers)
+        lever = ", or ".join(levers) + "; what is live at the peak: TUNELEDGER_MEMORY_STEP=2 (docs/speed.md)"
     elif util is not None and util >= t.compute_util_pct:
         kind = "compute-bound"
         why = f"the GPU is busy {util:.0f}% of the time (>= {t.compute_util_pct:.0f}%) with memory to spare"
