@@ -29,7 +29,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-MAX_ENTRIES = 400_000  # allocator events kept (a preset C step makes about 60k); older ones are dropped
+MAX_ENTRIES = 400_000  # allocator events kept, the latest; a step that makes more loses its start (the table says so)
 TOP = 15  # rows of the step's own allocations, the rest summed
 PACKAGES = ("tuneledger", "transformers", "peft", "liger_kernel", "bitsandbytes", "accelerate", "unsloth",
             "unsloth_zoo", "flash_attn")  # named from a source checkout too (outside site-packages)
