@@ -70,7 +70,7 @@ def run_preset(a, preset: str) -> dict:
     if a.profile:  # one more step, after the timed window, with tuneledger's own kernel-time table
         profile_step(one_step, a.warmup + a.steps + 1, Path(a.out).parent / f"profile-unsloth-{preset}")
     if a.memory:  # one more step, with tuneledger's split of its peak memory (TUNELEDGER_MEMORY_STEP's)
-        from tuneledger.memory_step import Recorder
+        from tuneledger.memory_step import Recorder, stop_recording
 
         rec, step = Recorder(), a.warmup + a.steps + 1 + bool(a.profile)
         try:
@@ -78,7 +78,7 @@ def run_preset(a, preset: str) -> dict:
             one_step_before_zero_grad(model, opt, it, accum, tokens)
             print(rec.finish(Path(a.out).parent / f"memory-unsloth-{preset}", step, model, opt), flush=True)
         except Exception as e:  # noqa: BLE001  the timed row above stands without it
-            torch.cuda.memory._record_memory_history(enabled=None)
+            stop_recording()
             print(f"unsloth {preset}: no memory split ({type(e).__name__}: {e})", flush=True)
     median = durations[len(durations) // 2]
     out = {"engine": "unsloth", "engine_version": getattr(unsloth, "__version__", "?"), "preset": preset,

@@ -86,6 +86,19 @@ def test_requests_count_as_the_blocks_torch_counts():
     assert memory_step.block_bytes(1) == 512 and memory_step.block_bytes(512) == 512 and memory_step.block_bytes(513) == 1024
 
 
+def test_a_history_without_the_start_says_what_it_could_not_place(monkeypatch):
+    """A block from before the step that the snapshot no longer lists (a history that lost its start)
+    is still counted at the peak, under its own row, so the rows add up to the peak; a history as
+    long as MAX_ENTRIES is said to have lost its start."""
+    monkeypatch.setattr(memory_step, "MAX_ENTRIES", 4)  # the synthetic history's 4 events: as full as it gets
+    s = split(snapshot([alloc(7, 100 * K, OURS)], {}), 0, 1000 * K, {})
+    rows = {r[0]: round(r[2] * 2**20 / K) for r in s["rows"]}
+    assert rows == {"before the step: not in the snapshot": 1000, "in the step: tuneledger/fused_lora.py:140 forward": 100}
+    assert s["truncated"] and "kept only the last" in memory_step.markdown(s, 3)
+    monkeypatch.setattr(memory_step, "MAX_ENTRIES", 5)
+    assert not split(snapshot([alloc(7, 100 * K, OURS)], {}), 0, 1000 * K, {})["truncated"]
+
+
 def test_where_names_the_innermost_frame_outside_torch():
     assert where([TORCH, QWEN, OURS]) == ("transformers/models/qwen2/modeling_qwen2.py:60 forward", "transformers")
     assert where([INDUCTOR, OURS]) == ("compiled code: call", "compiled")

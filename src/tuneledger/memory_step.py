@@ -112,7 +112,7 @@ def tensor_names(model: Any, optimizer: Any = None, device_type: str = "cuda") -
     return names
 
 
-def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int, str], truncated: bool = False,
+def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int, str],
           allocated_at_end: int | None = None) -> dict:
     """The step's peak and what was live then, from `snapshot` (torch.cuda.memory._snapshot(), taken
     at the step's end with the history recorded since its start), `allocated_at_start` and
@@ -120,12 +120,14 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     snapshot was taken) and `names` (tensor_names() at the end). The history gives requested bytes:
     each is counted as its block (block_bytes; the snapshot's own size for a block still live).
     Returns {"peak_mib", "at_event", "events", "start_mib", "end_mib", "replay_gap_mib" (torch's
-    count at the end less the replay's: 0 when every block was placed), "truncated", "rows": [(held
+    count at the end less the replay's: 0 when every block was placed), "truncated" (the history
+    holds MAX_ENTRIES events: its start was dropped), "rows": [(held
     by, package, MiB, blocks)], biggest first}. Raises ValueError for a snapshot without device
     `device`'s history."""
     traces = snapshot.get("device_traces") or []
     if device >= len(traces):
         raise ValueError(f"memory snapshot: no allocator history for GPU {device} ({len(traces)} recorded)")
+    truncated = len(traces[device]) >= MAX_ENTRIES
     trace = [e for e in traces[device] if e.get("action") in ("alloc", "free_requested")]
     active_end = {b["address"]: b["size"] for seg in snapshot.get("segments", ()) if seg.get("device", device) == device
                   for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
@@ -216,6 +218,16 @@ def markdown(s: dict, step: int, run_peak_mib: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stop_recording() -> None:
+    """Switch the allocator's history off; nothing when it cannot keep one (cudaMallocAsync)."""
+    import torch
+
+    try:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    except Exception:  # noqa: BLE001, S110  nothing was recording
+        pass
+
+
 class Recorder:
     """One step's recording: start() as the step begins, finish() after its optimizer step."""
 
@@ -240,10 +252,7 @@ class Recorder:
         end_bytes = torch.cuda.memory_allocated()
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        device = torch.cuda.current_device()
-        traces = snap.get("device_traces") or []
-        kept = len(traces[device]) if device < len(traces) else 0
-        s = split(snap, device, self.start_bytes, tensor_names(model, optimizer), truncated=kept >= MAX_ENTRIES,
+        s = split(snap, torch.cuda.current_device(), self.start_bytes, tensor_names(model, optimizer),
                   allocated_at_end=end_bytes)
         self.start_bytes = None
         run_peak = torch.cuda.max_memory_allocated() / 2**20
@@ -285,12 +294,7 @@ class MemoryStep(TrainerCallback):
                 self._off(e)
 
     def _off(self, e: Exception) -> None:
-        import torch
-
-        try:
-            torch.cuda.memory._record_memory_history(enabled=None)
-        except Exception:  # noqa: BLE001, S110  nothing was recording
-            pass
+        stop_recording()
         print(f"note: TUNELEDGER_MEMORY_STEP={self.step}: no memory split ({type(e).__name__}: {e})", flush=True)
 
     on_step_end = on_optimizer_step  # a Trainer without on_optimizer_step: after zero_grad, gradients unnamed
