@@ -196,8 +196,9 @@ def markdown(s: dict, step: int, run_peak_mib: float | None = None) -> str:
     lines = [f"## Memory at the peak of step {step} (rank 0; the CUDA allocator's history)", "",
              f"This step's peak: **{s['peak_mib']:,.0f} MiB** allocated, at allocator event {s['at_event']:,} of "
              f"{s['events']:,} ({mark} through the step); {s['start_mib']:,.0f} MiB at its start, "
-             f"{s['end_mib']:,.0f} after its optimizer step"
-             + (f"; the run's peak so far (torch.cuda.max_memory_allocated): {run_peak_mib:,.0f} MiB" if run_peak_mib else "")
+             f"{s['end_mib']:,.0f} MiB after its optimizer step"
+             + (f"; the run's peak so far (torch.cuda.max_memory_allocated): {run_peak_mib:,.0f} MiB"
+                if run_peak_mib is not None else "")
              + ".", ""]
     if abs(s.get("replay_gap_mib", 0.0)) >= 1:
         lines += [f"The replay ends {s['replay_gap_mib']:+,.1f} MiB from torch's own count after the step (blocks bigger "
