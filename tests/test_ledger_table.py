@@ -61,6 +61,19 @@ def test_markdown_keeps_the_columns_the_terminal_drops():
                                                      "micro_batches_per_step": 1, "allreduce_s": 0, "sync_wait_s": None,
                                                      "optimizer_s": 0, "other_s": 0, "data_wait_s": 0}, "allreduce": {}}]})
     assert "tokens/s/GPU" in md and "save (s)" in md and "p10-p90" in md and "out of memory" not in md
+    assert "among the measured steps" not in md
+
+
+def test_markdown_names_a_measured_step_that_the_profiler_or_the_memory_history_slowed():
+    rows = [{**row("A", 100_000, 0.080, 0.082), "profiled_step": 3}, {**row("B", 90_000, 0.090, 0.092), "memory_step": 4}]
+    split = {"method": "m", "forward_backward_s": 1, "forward_backward_per_micro_s": 1, "micro_batches_per_step": 1,
+             "allreduce_s": 0, "sync_wait_s": None, "optimizer_s": 0, "other_s": 0, "data_wait_s": 0}
+    md = markdown({**led(rows), "run_name": "r", "date": "d", "host": "h", "model": "m", "topology": {"link": "x", "matrix": ""},
+                   "dataset": ["d.json"], "stats": {"records": {"valid": 1}, "tokens": {"trained": 1}, "steps_per_epoch": 1},
+                   "global_batch_size": 16, "data_hash": "abc", "versions": {}, "dryrun_steps": 9, "config": {},
+                   "presets": [{**r, "split": split, "allreduce": {}} for r in rows]})
+    assert "Profiled with TUNELEDGER_PROFILE_STEP among the measured steps: A (step 3)." in md
+    assert "Allocator history recorded with TUNELEDGER_MEMORY_STEP among the measured steps: B (step 4)." in md
 
 
 def test_overlapping_spreads_tie_and_say_how_many_steps_would_separate_them():

@@ -36,6 +36,26 @@ def test_notes_say_a_step_past_the_end_and_a_measured_step():
     assert profile_step.notes(5, 40) == []  # train: no measured steps to spoil
 
 
+def test_the_memory_step_gets_the_same_notes_and_ledger_key(monkeypatch):
+    """TUNELEDGER_MEMORY_STEP: a step past the end and a measured step are said like the profiler's,
+    with its own name and cost; on a CPU (no allocator history) it slows nothing and is not said."""
+    env = profile_step.MEMORY_ENV
+    assert "TUNELEDGER_MEMORY_STEP=9: this run makes 4 steps, so no step is recorded" in profile_step.notes(9, 4, 1, env)[0]
+    measured = profile_step.notes(3, 4, 2, env)[0]
+    assert "recording every allocation with its Python stack slows it" in measured and "memory_step" in measured
+    monkeypatch.setenv(profile_step.ENV, "2")
+    monkeypatch.setenv(env, "3")
+    assert profile_step.measured_steps(1, 4) == {"profiled_step": 2, "memory_step": 3}
+    assert profile_step.measured_steps(2, 4) == {"memory_step": 3}  # step 2 is a warm-up step there
+    assert profile_step.measured_steps(1, 4, cuda=False) == {"profiled_step": 2}
+    both = profile_step.all_notes(4, 1)
+    assert [n.split("=")[0] for n in both] == ["note: TUNELEDGER_PROFILE_STEP", "note: TUNELEDGER_MEMORY_STEP"]
+    assert len(profile_step.all_notes(4, 1, cuda=False)) == 1
+    monkeypatch.setenv(env, "x")
+    with pytest.raises(ConfigError, match="TUNELEDGER_MEMORY_STEP='x'"):
+        profile_step.all_notes(4, 1)
+
+
 def test_the_dryrun_refuses_a_bad_value_before_any_rank(tmp_path):
     """Exit 2 with one sentence, no rank traceback (the CLI, a missing model would come later)."""
     data = tmp_path / "d.jsonl"

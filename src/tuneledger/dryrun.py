@@ -197,8 +197,8 @@ def measure_presets(args: argparse.Namespace, planned: list[tuple[str, JobConfig
             if retries:
                 row["fits_24gb_note"] += f"; {retries} allocator retries: the cap slowed it"
         row["world_size"] = world
-        if (step := profile_step.requested()) and cfg.dryrun_warmup_steps < step <= cfg.dryrun_steps:
-            row["profiled_step"] = step  # measured with the profiler on: slower than the others
+        # a measured step with the profiler or the allocator history on: slower than the others
+        row.update(profile_step.measured_steps(cfg.dryrun_warmup_steps, cfg.dryrun_steps, cuda=not cpu))
         row["per_gpu_peak"] = peak_by_world(row)  # DDP's measured beside F's predicted (sharding.py)
         rows.append(row)
         results[name] = result
@@ -245,10 +245,9 @@ def _run(args: argparse.Namespace, base: JobConfig, nodes: Nodes, before: Before
     locate_model(base.model_name_or_path)  # at once, before torch loads
     check_data(base)  # and a dataset that is not there
     env_levers.check()  # a bad A/B variable or profile step: one sentence here, not a traceback per rank
-    profiled = profile_step.requested()
-    for note in profile_step.notes(profiled, base.dryrun_steps, base.dryrun_warmup_steps):
-        print(note, flush=True)
     cpu, nproc = processes(args.cpu, args.nproc)
+    for note in profile_step.all_notes(base.dryrun_steps, base.dryrun_warmup_steps, cuda=not cpu):
+        print(note, flush=True)
     world = nodes.world_size(nproc)  # accumulation, MFU and tokens/s per GPU are for the whole job
     names = list(DDP_PRESETS) if args.preset == "ALL" else [args.preset or base.preset or "A"]
     device_type = "cpu" if cpu else "cuda"

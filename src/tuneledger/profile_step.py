@@ -1,7 +1,8 @@
 """TUNELEDGER_PROFILE_STEP (and TUNELEDGER_MEMORY_STEP's step number), read once by the launcher
 (dry-run and train) before any rank starts: a bad value is refused with a sentence instead of a traceback in every rank, a step the run never
-reaches is said instead of a silent "no profile", and a profiled step among a dry-run's measured
-steps is said, since the profiler's own bookkeeping slows it (profile.py)."""
+reaches is said instead of a silent "no profile", and a profiled or recorded step among a dry-run's
+measured steps is said, since the profiler's or the allocator history's bookkeeping slows it
+(profile.py, memory_step.py)."""
 
 from __future__ import annotations
 
@@ -41,18 +42,42 @@ def step_number(name: str, what: str) -> int | None:
     return step
 
 
-def notes(step: int | None, total_steps: int, warmup_steps: int | None = None) -> list[str]:
-    """What to say before the ranks start about profiling `step` of a run of `total_steps` optimizer
-    steps; `warmup_steps`: a dry-run's (its steps after them are the measured ones), None for train.
-    [] when there is nothing to say."""
+# What each step variable does to its step: (what the step is, what slows it, the dry-run ledger's key)
+SLOWED_BY = {ENV: ("profiled", "the profiler's own bookkeeping", "profiled_step"),
+             MEMORY_ENV: ("recorded", "recording every allocation with its Python stack", "memory_step")}
+
+
+def notes(step: int | None, total_steps: int, warmup_steps: int | None = None, env: str = ENV) -> list[str]:
+    """What to say before the ranks start about the step that $env (ENV or MEMORY_ENV) names, in a run
+    of `total_steps` optimizer steps; `warmup_steps`: a dry-run's (its steps after them are the
+    measured ones), None for train. [] when there is nothing to say."""
     if step is None:
         return []
+    done, slows, key = SLOWED_BY[env]
     if step > total_steps:
-        return [f"note: {ENV}={step}: this run makes {total_steps} steps, so no step is profiled "
+        return [f"note: {env}={step}: this run makes {total_steps} steps, so no step is {done} "
                 f"(set it to 1-{total_steps})"]
     if warmup_steps is not None and step > warmup_steps:
-        return [f"note: {ENV}={step}: step {step} is one of the measured steps, and the profiler's own "
-                "bookkeeping slows it: the median s/step moves little, the mean step and tokens/s on the mean "
-                f"more (the ledger's profiled_step). Profile a warm-up step (<= {warmup_steps}) to keep the "
-                "measured steps clean, or add a step (dryrun_steps) and read the profile only"]
+        return [f"note: {env}={step}: step {step} is one of the measured steps, and {slows} slows it: "
+                "the median s/step moves little, the mean step and tokens/s on the mean "
+                f"more (the ledger's {key}). Name a warm-up step (<= {warmup_steps}) to keep the "
+                "measured steps clean, or add a step (dryrun_steps)"]
     return []
+
+
+def _steps(cuda: bool) -> dict[str, int | None]:
+    # Without CUDA no allocator history is recorded (the worker says so): its step is not slowed.
+    return {ENV: requested(), MEMORY_ENV: memory_requested() if cuda else None}
+
+
+def all_notes(total_steps: int, warmup_steps: int | None = None, cuda: bool = True) -> list[str]:
+    """notes() for both step variables as the environment sets them, on CUDA or not (`cuda`: a CPU run
+    records no allocator history). Raises ConfigError as requested()."""
+    return [n for env, step in _steps(cuda).items() for n in notes(step, total_steps, warmup_steps, env)]
+
+
+def measured_steps(warmup_steps: int, total_steps: int, cuda: bool = True) -> dict[str, int]:
+    """The dry-run ledger's keys (profiled_step, memory_step) for a step variable that names one of the
+    measured steps (warmup_steps < step <= total_steps): that step was slowed. Raises ConfigError as requested()."""
+    return {SLOWED_BY[env][2]: step for env, step in _steps(cuda).items()
+            if step and warmup_steps < step <= total_steps}

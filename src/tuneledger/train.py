@@ -177,7 +177,7 @@ def _run_locked(cfg: JobConfig, cpu: bool, nproc: int, nodes: Any, startup: dict
         print(f"tuneledger train: {refusal}", file=sys.stderr)
         return 2
     steps = total_steps(prep.report, cfg)
-    for note in profile_step.notes(profile_step.requested(), steps):
+    for note in profile_step.all_notes(steps, cuda=not cpu):
         print(note, flush=True)
     if resume:
         state = json.loads((Path(resume) / "trainer_state.json").read_text())
