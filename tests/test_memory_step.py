@@ -131,6 +131,14 @@ def test_a_snapshot_without_the_gpus_history_is_refused():
         split({"segments": [], "device_traces": [[]]}, 1, 0, {})
 
 
+def test_an_event_without_its_size_or_address_is_refused_by_number():
+    bad = {"action": "alloc", "addr": 20, "frames": []}
+    with pytest.raises(ValueError, match="GPU 0's alloc event 2 of 2 has no whole-number size"):
+        split(snapshot([alloc(10, K), bad], {}), 0, 0, {})
+    with pytest.raises(ValueError, match="free_requested event 1 of 1 has no whole-number addr or size"):
+        split(snapshot([{"action": "free_requested"}], {}), 0, 0, {})
+
+
 def test_tensor_names_tells_the_kept_tensors_apart():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
     model[0].weight.requires_grad_(False)
