@@ -310,10 +310,22 @@ def group_blocker(members: tuple, lora_dropout: float) -> str | None:
     return None
 
 
+def _settings_blocker(fused: bool, lora_dropout: float, compiled_checkpoint: bool) -> tuple[str, str] | None:
+    """What keeps the projections apart by the settings alone, before the model is looked at: (the
+    ledger's line where grouped_lora is unset, the error where it is true); None when nothing does."""
+    for blocks, why in ((not fused, "needs the fused LoRA projection (fused_lora unset or true)"),
+                        (lora_dropout, "needs lora_dropout 0 (a group would draw one dropout mask where peft draws one per projection)")):
+        if blocks:
+            return f"off ({why.split(' (')[0]})", f"grouped_lora: true {why}"
+    if compiled_checkpoint:
+        return "off (gradient checkpointing inside compiled layers)", GROUPED_NEEDS_NO_COMPILED_CHECKPOINT
+    return None
+
+
 def planned(wanted: bool | None, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> bool:
     """Whether group_lora, given the same arguments, will try to group (it may still find no
     group, or a group that cannot be): the checks it makes before looking at the model."""
-    return wanted is not False and fused and not lora_dropout and not compiled_checkpoint
+    return wanted is not False and _settings_blocker(fused, lora_dropout, compiled_checkpoint) is None
 
 
 def group_lora(model: Any, wanted: bool | None, fused: bool, lora_dropout: float, compiled_checkpoint: bool = False) -> str:
@@ -326,19 +338,10 @@ def group_lora(model: Any, wanted: bool | None, fused: bool, lora_dropout: float
     inside compiled layers, mismatched projections)."""
     if wanted is False:
         return "off"
-    why = None
-    if not fused:
-        why = "needs the fused LoRA projection (fused_lora unset or true)"
-    elif lora_dropout:
-        why = "needs lora_dropout 0 (a group would draw one dropout mask where peft draws one per projection)"
-    elif compiled_checkpoint:
+    if blocked := _settings_blocker(fused, lora_dropout, compiled_checkpoint):
         if wanted:
-            raise ValueError(GROUPED_NEEDS_NO_COMPILED_CHECKPOINT)
-        return "off (gradient checkpointing inside compiled layers)"
-    if why:
-        if wanted:
-            raise ValueError(f"grouped_lora: true {why}")
-        return f"off ({why.split(' (')[0]})"
+            raise ValueError(blocked[1])
+        return blocked[0]
     from peft.tuners.lora import LoraLayer
 
     groups = []
