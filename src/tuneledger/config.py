@@ -420,6 +420,11 @@ def preset_overrides(cfg: JobConfig, world: int) -> dict:
     return {k: getattr(cfg, k) for k, v in own.items() if getattr(cfg, k) != v}
 
 
+# The ledger's nf4_kernel line says this where our NF4 kernel rebuilds double quantization's scales in
+# its own launch (nf4_kernel.py); diagnose.py reads it: absmax_once measured slower there.
+NF4_NESTED_LINE = "double quantization's scales in the same kernel"
+
+
 def absmax_once_applies(quantization_bit: Any, double_quantization: Any, sharded: Any) -> bool:
     """True when absmax_once has a weight to act on: a 4-bit base with double quantization, not
     sharded (FSDP2 shards the quant states with the weights: nf4.absmax_once). One rule for

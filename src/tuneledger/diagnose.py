@@ -45,7 +45,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuneledger.config import ConfigError, absmax_once_applies
+from tuneledger.config import NF4_NESTED_LINE, ConfigError, absmax_once_applies
 from tuneledger.config_load import read_yaml_mapping
 
 DEFAULT_PATH = Path("configs/diagnosis.yaml")
@@ -266,7 +266,7 @@ def untried_levers(row: dict) -> list[str]:
         out.append("grouped_lora=true")
     # Where our NF4 kernel rebuilt the 8-bit scales in its own launch, absmax_once measured slower
     # (bench/results/h200-2026-12-07-call1): not a lever to try there.
-    nested = "scales in the same kernel" in str(levers.get("nf4_kernel", ""))
+    nested = NF4_NESTED_LINE in str(levers.get("nf4_kernel", ""))
     if (not ran("absmax_once") and not nested
             and absmax_once_applies(cfg.get("quantization_bit"), cfg.get("double_quantization"), cfg.get("fsdp"))):
         out.append("absmax_once=true")

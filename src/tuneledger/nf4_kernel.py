@@ -41,6 +41,7 @@ from typing import List
 import torch
 
 from tuneledger import versions
+from tuneledger.config import NF4_NESTED_LINE
 
 _ON = False  # set once per process by use(): the model's nf4_kernel lever
 _NESTED = False  # and whether dequantize_nested passed its check too (use())
@@ -84,7 +85,7 @@ def use(wanted: bool | None, quantized: bool, fused: bool = True) -> str:
     _ON = True
     nested_why = self_check(nested=True)
     _NESTED = nested_why is None
-    tail = ("double quantization's scales in the same kernel" if _NESTED else
+    tail = (NF4_NESTED_LINE if _NESTED else
             f"double quantization's scales by bitsandbytes: {nested_why}")
     return f"on (Triton NF4 dequantization, bitsandbytes' bits; {tail})"
 
