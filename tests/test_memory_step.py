@@ -132,11 +132,15 @@ def test_a_snapshot_without_the_gpus_history_is_refused():
 
 
 def test_an_event_without_its_size_or_address_is_refused_by_number():
+    """Numbered as the raw history counts (memory_viz, the pickle), every action included."""
     bad = {"action": "alloc", "addr": 20, "frames": []}
-    with pytest.raises(ValueError, match="GPU 0's alloc event 2 of 2 has no whole-number size"):
+    with pytest.raises(ValueError, match=r"GPU 0's history entry 1 \(alloc; 0-based.*\) has no whole number >= 0 for size"):
         split(snapshot([alloc(10, K), bad], {}), 0, 0, {})
-    with pytest.raises(ValueError, match="free_requested event 1 of 1 has no whole-number addr or size"):
+    with pytest.raises(ValueError, match="entry 0 .* for addr or size"):
         split(snapshot([{"action": "free_requested"}], {}), 0, 0, {})
+    for size in (True, -512, 512.0):  # a bool is an int to isinstance; a negative or float size is damage
+        with pytest.raises(ValueError, match="for size"):
+            split(snapshot([alloc(10, size)], {}), 0, 0, {})
 
 
 def test_tensor_names_tells_the_kept_tensors_apart():

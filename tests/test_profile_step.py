@@ -51,6 +51,11 @@ def test_the_memory_step_gets_the_same_notes_and_ledger_key(monkeypatch):
     both = profile_step.all_notes(4, 1)
     assert [n.split("=")[0] for n in both] == ["note: TUNELEDGER_PROFILE_STEP", "note: TUNELEDGER_MEMORY_STEP"]
     assert len(profile_step.all_notes(4, 1, cuda=False)) == 1
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # keeps no history: nothing slowed
+    assert profile_step.measured_steps(1, 4) == {"profiled_step": 2} and len(profile_step.all_notes(4, 1)) == 1
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    no_warmup = profile_step.notes(1, 4, 0, env)[0]
+    assert "Set dryrun_warmup_steps >= 1 and name step 1" in no_warmup and "<= 0" not in no_warmup
     monkeypatch.setenv(env, "x")
     with pytest.raises(ConfigError, match="TUNELEDGER_MEMORY_STEP='x'"):
         profile_step.all_notes(4, 1)

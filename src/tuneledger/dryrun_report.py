@@ -58,12 +58,14 @@ def markdown(led: dict) -> str:
     for r in led["presets"]:
         if "skipped" in r:
             lines.append(f"| {r['preset']} | skipped: {r['skipped']} |||||||||||| ")
-    for key, how in (("profiled_step", "Profiled with TUNELEDGER_PROFILE_STEP"),
-                     ("memory_step", "Allocator history recorded with TUNELEDGER_MEMORY_STEP")):
+    for key, how, whose in (("profiled_step", "Profiled with TUNELEDGER_PROFILE_STEP", "The profiler's"),
+                            ("memory_step", "Allocator history recorded with TUNELEDGER_MEMORY_STEP",
+                             "The allocator history's")):
         slowed = [f"{r['preset']} (step {r[key]})" for r in rows if r.get(key)]
         if slowed:
-            lines += ["", f"{how} among the measured steps: {', '.join(slowed)}. Its "
-                      "bookkeeping slows that step: the median s/step moves little, the mean step more."]
+            lines += ["", f"{how} among the measured steps: {', '.join(slowed)}. {whose} bookkeeping slows "
+                      f"{'that step' if len(slowed) == 1 else 'those steps'}: the median s/step moves little, "
+                      "the mean step more."]
     # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py, fused_lora.py, compiled.py).
     lines += [f"\n{x}" for x in override_lines(rows)]
     lines += [""] + common_lines("- levers", {r["preset"]: r["model"].get("levers") or {} for r in rows})

@@ -123,16 +123,18 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     count at the end less the replay's: 0 when every block was placed), "truncated" (the history
     holds MAX_ENTRIES events: its start was dropped), "rows": [(held
     by, package, MiB, blocks)], biggest first}. Raises ValueError for a snapshot without device
-    `device`'s history, or with an alloc or free event lacking a whole-number addr or size."""
+    `device`'s history, or with an alloc or free event whose addr or size is not a whole number >= 0."""
     traces = snapshot.get("device_traces") or []
     if device >= len(traces):
         raise ValueError(f"memory snapshot: no allocator history for GPU {device} ({len(traces)} recorded)")
     truncated = len(traces[device]) >= MAX_ENTRIES
+    for i, e in enumerate(traces[device]):  # torch always gives both; a hand-made or damaged history may not
+        if e.get("action") in ("alloc", "free_requested") and (
+                bad := [k for k in ("addr", "size") if type(e.get(k)) is not int or e[k] < 0]):
+            raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based, as "
+                             f"memory_viz and the pickle's device_traces[{device}] count) has no "
+                             f"whole number >= 0 for {' or '.join(bad)}")
     trace = [e for e in traces[device] if e.get("action") in ("alloc", "free_requested")]
-    for i, e in enumerate(trace):  # torch always gives both; a hand-made or damaged history may not
-        if missing := [k for k in ("addr", "size") if not isinstance(e.get(k), int)]:
-            raise ValueError(f"memory snapshot: GPU {device}'s {e['action']} event {i + 1} of {len(trace)} "
-                             f"has no whole-number {' or '.join(missing)}")
     active_end = {b["address"]: b["size"] for seg in snapshot.get("segments", ()) if seg.get("device", device) == device
                   for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
 

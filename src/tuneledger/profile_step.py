@@ -58,16 +58,26 @@ def notes(step: int | None, total_steps: int, warmup_steps: int | None = None, e
         return [f"note: {env}={step}: this run makes {total_steps} steps, so no step is {done} "
                 f"(set it to 1-{total_steps})"]
     if warmup_steps is not None and step > warmup_steps:
+        clean = (f"Name a warm-up step (<= {warmup_steps})" if warmup_steps
+                 else "Set dryrun_warmup_steps >= 1 and name step 1")
         return [f"note: {env}={step}: step {step} is one of the measured steps, and {slows} slows it: "
                 "the median s/step moves little, the mean step and tokens/s on the mean "
-                f"more (the ledger's {key}). Name a warm-up step (<= {warmup_steps}) to keep the "
-                "measured steps clean, or add a step (dryrun_steps)"]
+                f"more (the ledger's {key}). {clean} to keep the measured steps clean, or keep "
+                "this dry-run for the table it writes and measure speed in another"]
     return []
 
 
+def _history_kept() -> bool:
+    # cudaMallocAsync keeps no allocator history: memory_step.py says so and records nothing.
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "cudamallocasync" not in conf.replace(" ", "").lower()
+
+
 def _steps(cuda: bool) -> dict[str, int | None]:
-    # Without CUDA no allocator history is recorded (the worker says so): its step is not slowed.
-    return {ENV: requested(), MEMORY_ENV: memory_requested() if cuda else None}
+    # Without CUDA, or with cudaMallocAsync, no allocator history is recorded (the worker says so):
+    # its step is not slowed. The value is still checked.
+    memory = memory_requested()
+    return {ENV: requested(), MEMORY_ENV: memory if cuda and _history_kept() else None}
 
 
 def all_notes(total_steps: int, warmup_steps: int | None = None, cuda: bool = True) -> list[str]:
