@@ -1,0 +1,28 @@
+"""bench/whatif_length_spread.py: the same ledger with only its length spread moved. At the ledger's
+own sd it predicts what whatif predicts from the ledger itself; a narrower spread shortens the
+sync wait of 8 ranks and nothing before it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LEDGER = ROOT / "bench/results/whatif-2026-12-04/tune-cand1-A-dryrun.json"
+
+
+def test_the_ledgers_own_spread_reproduces_whatif_and_a_narrower_one_waits_less(tmp_path):
+    out = tmp_path / "spread.md"
+    p = subprocess.run([sys.executable, str(ROOT / "bench/whatif_length_spread.py"), str(LEDGER), "--gpus", "8x4090-pcie",
+                        "--sd", "88", "168.4", "--steps", "17377", "--save-steps", "200", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    narrow, own = (json.loads((tmp_path / f"spread-sd{sd}.json").read_text())["predictions"][0] for sd in ("88", "168.4"))
+    direct = subprocess.run([sys.executable, "-m", "tuneledger", "whatif", str(LEDGER), "--gpus", "8x4090-pcie", "--steps",
+                             "17377", "--save-steps", "200", "--json", str(tmp_path / "direct.json")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    assert abs(own["s_per_step"] - json.loads((tmp_path / "direct.json").read_text())["predictions"][0]["s_per_step"]) < 1e-3
+    assert narrow["step"]["sync_wait"] < own["step"]["sync_wait"] - 0.05
+    assert narrow["step"]["allreduce"] == own["step"]["allreduce"] and narrow["s_per_step"] < own["s_per_step"]
+    assert "| A | 168.4 (the ledger) |" in out.read_text()
