@@ -144,7 +144,8 @@ for r in $RUNS; do
   stamp "$n exit $rc: $(grep -E "^preset $p:" /tmp/logs/dryrun-$n.log | head -1 | cut -c1-160)"
   [ -z "$DATA" ] && DATA=$(sed -n 's/.*(cache \(.*\))$/\1/p' /tmp/logs/dryrun-$n.log | head -1)
   table+=("$n=/tmp/run-$n")   # a run without its dryrun.json becomes a failed row
-  for m in /tmp/run-$n/memory-step*.md; do [ -f "$m" ] && cp "$m" "$OUT/memory-$n.md"; done
+  # the dry-run writes it beside the preset's run (/tmp/run-$n/dryrun/<preset>/), not at the top
+  m=$(find /tmp/run-$n -name "memory-step*.md" 2>/dev/null | head -1); [ -n "$m" ] && cp "$m" "$OUT/memory-$n.md"
 done
 peers=(); for f in "$OUT/unsloth.json" "$OUT/hf.json"; do [ -f "$f" ] && peers+=("$f"); done
 ${PY:-python3} bench/bench_table.py "$OUT" "${table[@]}" ${peers[@]:+--peers "${peers[@]}"} 2>&1 | tee /tmp/logs/bench_table.log
@@ -173,5 +174,5 @@ for p in D C; do
   stamp "syncs warned in one $p warm-up step: $(grep -c 'called a synchronizing' /tmp/logs/dryrun-${p}auto.log)"
 done
 cp "$LOG" "$OUT/"; [ -f /tmp/logs/test_speed_gpu.log ] && cp /tmp/logs/test_speed_gpu.log "$OUT/"
-tar czf "$OUT/levers-runs.tgz" -C /tmp logs $(cd /tmp && ls -d run-*/dryrun.json run-*/dryrun.md run-*/memory-step*.md run-*/memory-step*.json 2>/dev/null)
+tar czf "$OUT/levers-runs.tgz" -C /tmp logs $(cd /tmp && ls -d run-*/dryrun.json run-*/dryrun.md 2>/dev/null; find run-* -name "memory-step*.md" -o -name "memory-step*.json" 2>/dev/null)
 stamp done
