@@ -128,13 +128,16 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     if device >= len(traces):
         raise ValueError(f"memory snapshot: no allocator history for GPU {device} ({len(traces)} recorded)")
     truncated = len(traces[device]) >= MAX_ENTRIES
-    for i, e in enumerate(traces[device]):  # torch always gives both; a hand-made or damaged history may not
-        if e.get("action") in ("alloc", "free_requested") and (
-                bad := [k for k in ("addr", "size") if type(e.get(k)) is not int or e[k] < 0]):
+    trace = []  # the allocations and frees, checked as they are picked out
+    for i, e in enumerate(traces[device]):
+        if e.get("action") not in ("alloc", "free_requested"):
+            continue
+        # torch always gives both; a hand-made or damaged history may not
+        if bad := [k for k in ("addr", "size") if type(e.get(k)) is not int or e[k] < 0]:
             raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based, as "
                              f"memory_viz and the pickle's device_traces[{device}] count) has no "
                              f"whole number >= 0 for {' or '.join(bad)}")
-    trace = [e for e in traces[device] if e.get("action") in ("alloc", "free_requested")]
+        trace.append(e)
     active_end = {b["address"]: b["size"] for seg in snapshot.get("segments", ()) if seg.get("device", device) == device
                   for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
 
