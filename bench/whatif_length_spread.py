@@ -12,13 +12,15 @@ assumption. With micro-batch 1 the sync wait of 8 ranks follows that sd (docs/wh
         --steps 17377 --save-steps 200 --out bench/results/<dir>/length-spread.md
 
 Writes a markdown table (one row per preset and sd: s/step and its parts, tokens/s) and the whatif
---json of each sd beside it. Exit 1 when a whatif run fails (its output is printed).
+--json of each sd beside it. Exit 2 for a ledger without a length summary or an sd below 0; exit 1
+when a whatif run fails (its output is printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -44,8 +46,16 @@ def main() -> int:
     ap.add_argument("--save-steps", type=int)
     ap.add_argument("--out", required=True, help="the markdown table; each sd's whatif --json beside it")
     a = ap.parse_args()
-    ledger = json.loads(Path(a.ledger).read_text())
-    measured = (ledger["stats"]["length"]["p95"] - ledger["stats"]["length"]["median"]) / 1.645
+    if bad := [sd for sd in a.sd if not math.isfinite(sd) or sd < 0]:  # the model clamps a negative sd to 0
+        ap.error(f"--sd {' '.join(f'{sd:g}' for sd in bad)}: an sd is a finite number of tokens >= 0")
+    try:
+        ledger = json.loads(Path(a.ledger).read_text())
+        length = ledger["stats"]["length"]
+        measured = (length["p95"] - length["median"]) / 1.645
+    except (OSError, ValueError) as e:
+        ap.error(f"{a.ledger}: not a readable JSON ledger ({e})")
+    except (KeyError, TypeError) as e:
+        ap.error(f"{a.ledger}: no stats.length.p95 and .median (a dry-run ledger's length summary): {e!r} missing")
     out = Path(a.out)
     rows = ["| preset | sd (tokens) | s/step | micro-batches | all-reduce | sync wait | optimizer | data wait "
             "| beyond the micro-batches | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -26,3 +26,17 @@ def test_the_ledgers_own_spread_reproduces_whatif_and_a_narrower_one_waits_less(
     assert narrow["step"]["sync_wait"] < own["step"]["sync_wait"] - 0.05
     assert narrow["step"]["allreduce"] == own["step"]["allreduce"] and narrow["s_per_step"] < own["s_per_step"]
     assert "| A | 168.4 (the ledger) |" in out.read_text()
+
+
+def test_bad_input_is_one_line_naming_the_file_or_the_option(tmp_path):
+    (tmp_path / "bad.json").write_text("not json{")
+    (tmp_path / "nolen.json").write_text('{"stats": {}}')
+    for args, says in (([str(tmp_path / "missing.json")], "missing.json: not a readable JSON ledger"),
+                       ([str(tmp_path / "bad.json")], "bad.json: not a readable JSON ledger"),
+                       ([str(tmp_path / "nolen.json")], "nolen.json: no stats.length.p95 and .median"),
+                       ([str(LEDGER), "--sd", "-5"], "--sd -5: an sd is a finite number of tokens >= 0"),
+                       ([str(LEDGER), "--sd", "nan"], "--sd nan: an sd is")):
+        sd = [] if "--sd" in args else ["--sd", "88"]
+        p = subprocess.run([sys.executable, str(ROOT / "bench/whatif_length_spread.py"), *args, *sd, "--gpus", "8x4090-pcie",
+                            "--out", str(tmp_path / "o.md")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
