@@ -138,6 +138,8 @@ def test_an_event_without_its_size_or_address_is_refused_by_number():
         split(snapshot([alloc(10, K), bad], {}), 0, 0, {})
     with pytest.raises(ValueError, match="entry 0 .* for addr or size"):
         split(snapshot([{"action": "free_requested"}], {}), 0, 0, {})
+    with pytest.raises(ValueError, match="history entry 1 \\(0-based\\) has no action"):
+        split(snapshot([alloc(10, K), {"addr": 20, "size": K}], {}), 0, 0, {})
     for size in (True, -512, 512.0):  # a bool is an int to isinstance; a negative or float size is damage
         with pytest.raises(ValueError, match="for size"):
             split(snapshot([alloc(10, size)], {}), 0, 0, {})

@@ -130,7 +130,9 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     truncated = len(traces[device]) >= MAX_ENTRIES
     trace = []  # the allocations and frees, checked as they are picked out
     for i, e in enumerate(traces[device]):
-        if e.get("action") not in ("alloc", "free_requested"):
+        if not isinstance(e, dict) or not isinstance(e.get("action"), str):  # torch's entries always name their action
+            raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} (0-based) has no action")
+        if e["action"] not in ("alloc", "free_requested"):
             continue
         # torch always gives both; a hand-made or damaged history may not
         if bad := [k for k in ("addr", "size") if type(e.get(k)) is not int or e[k] < 0]:
