@@ -43,3 +43,15 @@ def test_ranks_import_unsloth_only_when_the_config_asks(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()  # a log each: launch.log is appended to
     assert _rank_env(tmp_path / "a", monkeypatch, {"config": {"use_unsloth": True}})["TUNELEDGER_USE_UNSLOTH"] == "1"
     assert _rank_env(tmp_path / "b", monkeypatch, {"config": {}}, TUNELEDGER_USE_UNSLOTH="1")["TUNELEDGER_USE_UNSLOTH"] is None
+
+
+def test_the_new_allocator_variable_reaches_torch_2_5(tmp_path, monkeypatch):
+    """torch 2.5.1 (the pinned image) reads only PYTORCH_CUDA_ALLOC_CONF: a user's PYTORCH_ALLOC_CONF
+    is passed under the old name too, not replaced by the launcher's expandable_segments default."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    env = _rank_env(tmp_path, monkeypatch, {"config": {}}, PYTORCH_ALLOC_CONF="backend:cudaMallocAsync")
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    (tmp_path / "b").mkdir()
+    kept = _rank_env(tmp_path / "b", monkeypatch, {"config": {}}, PYTORCH_ALLOC_CONF="backend:cudaMallocAsync",
+                     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
+    assert kept["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"  # the user's own old-name value wins
