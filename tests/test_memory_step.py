@@ -244,3 +244,17 @@ def test_the_callback_records_its_step_on_rank_0_and_a_failing_start_is_said(mon
     cb = memory_step.MemoryStep(3, tmp_path)
     cb.on_step_begin(None, SimpleNamespace(global_step=2), None)
     assert cb.rec is None and "no memory split (RuntimeError: cudaMallocAsync" in capsys.readouterr().out
+
+
+def test_no_history_is_said_from_torchs_own_allocator(monkeypatch):
+    """The worker asks torch which allocator runs (either variable may have chosen it) and says why
+    nothing is recorded at the start, so a step past the end is not silent either."""
+    import torch
+
+    from tuneledger import worker
+
+    assert worker.why_no_allocator_history(False) == "no CUDA GPU here"
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert "cudaMallocAsync" in worker.why_no_allocator_history(True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    assert worker.why_no_allocator_history(True) == ""

@@ -45,6 +45,18 @@ from tuneledger.rows import make_collator, padding_mask_lever  # noqa: E402
 from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, time_loss_plot, training_args  # noqa: E402
 
 
+
+def why_no_allocator_history(cuda: bool) -> str:
+    """Why TUNELEDGER_MEMORY_STEP can record nothing in this process ("" when it can): no CUDA, or
+    torch's allocator is cudaMallocAsync, asked for by either variable torch reads. Said at the start,
+    whatever the step: a step past the end would otherwise say nothing at all."""
+    if not cuda:
+        return "no CUDA GPU here"
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        return "the allocator is cudaMallocAsync, which keeps none"
+    return ""
+
+
 def setup(job: dict) -> tuple[JobConfig, torch.device, int, int]:
     cfg = JobConfig(**job["config"])
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
@@ -162,12 +174,13 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         from tuneledger.profile import StepProfile
 
         trainer.add_callback(StepProfile(profiled, out_dir, rank))
-    if (recorded := profile_step.memory_requested()) and cuda:  # likewise checked by the launcher
+    no_history = why_no_allocator_history(cuda)
+    if (recorded := profile_step.memory_requested()) and not no_history:  # likewise checked by the launcher
         from tuneledger.memory_step import MemoryStep
 
         trainer.add_callback(MemoryStep(recorded, out_dir, rank))
     elif recorded and rank == 0:
-        print(f"note: {profile_step.MEMORY_ENV}={recorded}: no CUDA GPU here, so no allocator history to split", flush=True)
+        print(f"note: {profile_step.MEMORY_ENV}={recorded}: {no_history}, so no allocator history to split", flush=True)
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
