@@ -145,6 +145,27 @@ def test_an_event_without_its_size_or_address_is_refused_by_number():
             split(snapshot([alloc(10, size)], {}), 0, 0, {})
 
 
+def test_a_damaged_segment_block_or_frame_is_refused_by_number():
+    """The snapshot's other parts: each damage a ValueError naming where, never a KeyError or a wrong sum."""
+    good = snapshot([alloc(10, K)], {10: K})
+    assert split(good, 0, 0, {})["peak_mib"] == K / 2**20
+    cases = [({"segments": {"device": 0}}, "segments is a dict, not a list"),
+             ({"segments": ["x"]}, "segment 0 .* is not a mapping with a list of blocks"),
+             ({"segments": [{"device": 0, "blocks": [{"address": 10, "size": K, "state": "active_allocated"}, 7]}]},
+              "segment 0's block 1 .* is not a mapping"),
+             ({"segments": [{"device": 0, "blocks": [{"size": K, "state": "active_allocated"}]}]},
+              "segment 0's block 0 .* for address"),
+             ({"segments": [{"device": 0, "blocks": [{"address": 10, "size": -K, "state": "active_allocated"}]}]},
+              "segment 0's block 0 .* for size")]
+    for damage, message in cases:
+        with pytest.raises(ValueError, match=message):
+            split({**good, **damage}, 0, 0, {})
+    inactive = {"segments": [{"device": 0, "blocks": [{"state": "inactive"}]}]}  # a free block needs no address
+    assert split({**good, **inactive}, 0, 0, {})["peak_mib"] == K / 2**20
+    with pytest.raises(ValueError, match="history entry 0 \\(alloc; 0-based\\) has frames that are not a list"):
+        split(snapshot([alloc(10, K, "frame as text")], {}), 0, 0, {})
+
+
 def test_tensor_names_tells_the_kept_tensors_apart():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
     model[0].weight.requires_grad_(False)

@@ -112,6 +112,31 @@ def tensor_names(model: Any, optimizer: Any = None, device_type: str = "cuda") -
     return names
 
 
+def _live_blocks(snapshot: dict, device: int) -> dict[int, int]:
+    """{address: bytes} of device `device`'s blocks live at the snapshot ("active_allocated"). Raises
+    ValueError naming segment j and block k (0-based, as the pickle's segments[j]["blocks"][k]) for
+    one that is not a mapping, or a live block whose address or size is not a whole number >= 0."""
+    live: dict[int, int] = {}
+    segments = snapshot.get("segments") or []
+    if not isinstance(segments, list):
+        raise ValueError(f"memory snapshot: segments is a {type(segments).__name__}, not a list")
+    for j, seg in enumerate(segments):
+        if not isinstance(seg, dict) or not isinstance(seg.get("blocks", []), list):
+            raise ValueError(f"memory snapshot: segment {j} (0-based) is not a mapping with a list of blocks")
+        if seg.get("device", device) != device:
+            continue
+        for k, b in enumerate(seg.get("blocks", [])):
+            if not isinstance(b, dict):
+                raise ValueError(f"memory snapshot: segment {j}'s block {k} (0-based) is not a mapping")
+            if b.get("state") != "active_allocated":
+                continue
+            if bad := [f for f in ("address", "size") if type(b.get(f)) is not int or b[f] < 0]:
+                raise ValueError(f"memory snapshot: segment {j}'s block {k} (0-based, live) has no whole number "
+                                 f">= 0 for {' or '.join(bad)}")
+            live[b["address"]] = b["size"]
+    return live
+
+
 def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int, str],
           allocated_at_end: int | None = None) -> dict:
     """The step's peak and what was live then, from `snapshot` (torch.cuda.memory._snapshot(), taken
@@ -123,7 +148,8 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     count at the end less the replay's: 0 when every block was placed), "truncated" (the history
     holds MAX_ENTRIES events: its start was dropped), "rows": [(held
     by, package, MiB, blocks)], biggest first}. Raises ValueError for a snapshot without device
-    `device`'s history, or with an alloc or free event whose addr or size is not a whole number >= 0."""
+    `device`'s history, with an alloc or free event whose addr or size is not a whole number >= 0,
+    or with a damaged segment or live block (_live_blocks), each named by its index."""
     traces = snapshot.get("device_traces") or []
     if device >= len(traces):
         raise ValueError(f"memory snapshot: no allocator history for GPU {device} ({len(traces)} recorded)")
@@ -139,9 +165,12 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
             raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based, as "
                              f"memory_viz and the pickle's device_traces[{device}] count) has no "
                              f"whole number >= 0 for {' or '.join(bad)}")
+        frames = e.get("frames") or []
+        if not isinstance(frames, list) or not all(isinstance(f, dict) for f in frames):
+            raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based) has frames "
+                             "that are not a list of mappings")
         trace.append(e)
-    active_end = {b["address"]: b["size"] for seg in snapshot.get("segments", ()) if seg.get("device", device) == device
-                  for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
+    active_end = _live_blocks(snapshot, device)
 
     unfreed: dict[int, int] = {}  # address -> index of an alloc not freed by the end
     for i, e in enumerate(trace):
