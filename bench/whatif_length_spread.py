@@ -19,14 +19,18 @@ when a whatif run fails (its output is printed).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+# whatif in this process, not a child: a SIGTERM or Ctrl-C then stops all of it (a child was left running)
+from tuneledger.cli import main as tuneledger  # noqa: E402
 
 
 def with_sd(ledger: dict, sd: float) -> dict:
@@ -64,13 +68,17 @@ def main() -> int:
             src = Path(tmp) / f"sd{sd:g}.json"
             src.write_text(json.dumps(with_sd(ledger, sd)))
             pred = out.with_name(f"{out.stem}-sd{sd:g}.json")
-            cmd = [sys.executable, "-m", "tuneledger", "whatif", str(src), "--gpus", a.gpus, "--json", str(pred)]
+            cmd = ["whatif", str(src), "--gpus", a.gpus, "--json", str(pred)]
             cmd += ["--steps", str(a.steps)] if a.steps else []
             cmd += ["--save-steps", str(a.save_steps)] if a.save_steps else []
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                               env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
-            if p.returncode != 0:
-                print(p.stdout + p.stderr)
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                try:
+                    rc = tuneledger(cmd)
+                except SystemExit as e:  # argparse's own errors
+                    rc = e.code if isinstance(e.code, int) else 1
+            if rc != 0:
+                print(said.getvalue())
                 return 1
         for r in json.loads(pred.read_text())["predictions"]:
             s = r["step"]
