@@ -64,8 +64,8 @@ def markdown(led: dict) -> str:
         slowed = [f"{r['preset']} (step {r[key]})" for r in rows if r.get(key)]
         if slowed:
             lines += ["", f"{how} among the measured steps: {', '.join(slowed)}. {whose} bookkeeping slows "
-                      f"{'that step' if len(slowed) == 1 else 'those steps'}: the median s/step moves little, "
-                      "the mean step more."]
+                      f"{'that step' if len(slowed) == 1 else 'those steps'}: the median s/step hardly moves, "
+                      "but the mean s/step rises and the tokens/s on the mean step falls."]
     # How every number was made: the attention backend, Liger, fused LoRA, compile (speed.py, fused_lora.py, compiled.py).
     lines += [f"\n{x}" for x in override_lines(rows)]
     lines += [""] + common_lines("- levers", {r["preset"]: r["model"].get("levers") or {} for r in rows})

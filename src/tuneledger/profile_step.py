@@ -60,10 +60,10 @@ def notes(step: int | None, total_steps: int, warmup_steps: int | None = None, e
     if warmup_steps is not None and step > warmup_steps:
         clean = (f"Name a warm-up step (<= {warmup_steps})" if warmup_steps
                  else "Set dryrun_warmup_steps >= 1 and name step 1")
-        return [f"note: {env}={step}: step {step} is one of the measured steps, and {slows} slows it: "
-                "the median s/step moves little, the mean step and tokens/s on the mean "
-                f"more (the ledger's {key}). {clean} to keep the measured steps clean, or keep "
-                "this dry-run for the table it writes and measure speed in another"]
+        return [f"note: {env}={step}: step {step} is one of the measured steps, and {slows} slows it. "
+                "The median s/step hardly moves, but the mean s/step rises and the tokens/s on the mean "
+                f"step falls (the dry-run ledger names the step as {key}). {clean} to keep the measured "
+                "steps clean, or keep this dry-run for the table it writes and measure speed in another"]
     return []
 
 
