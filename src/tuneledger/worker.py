@@ -45,7 +45,6 @@ from tuneledger.rows import make_collator, padding_mask_lever  # noqa: E402
 from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, time_loss_plot, training_args  # noqa: E402
 
 
-
 def why_no_allocator_history(cuda: bool) -> str:
     """Why TUNELEDGER_MEMORY_STEP can record nothing in this process ("" when it can): no CUDA, or
     torch's allocator is cudaMallocAsync, asked for by either variable torch reads. Said at the start,
