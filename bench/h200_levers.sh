@@ -174,5 +174,11 @@ for p in D C; do
   stamp "syncs warned in one $p warm-up step: $(grep -c 'called a synchronizing' /tmp/logs/dryrun-${p}auto.log)"
 done
 cp "$LOG" "$OUT/"; [ -f /tmp/logs/test_speed_gpu.log ] && cp /tmp/logs/test_speed_gpu.log "$OUT/"
+# PACK=1 (a device call, which returns at most 8 files): the memory and profile tables and the peers'
+# JSONs go back as one archive, tables.tgz (memory_viz's pickles stay behind: tens of MB).
+if [ "${PACK:-0}" = 1 ]; then
+  extra=$(cd "$OUT" && ls memory-*.md memory-*.json profile-*.md unsloth.json hf.json 2>/dev/null)
+  [ -n "$extra" ] && (cd "$OUT" && tar czf tables.tgz $extra && rm -f $extra memory-*.pickle)
+fi
 tar czf "$OUT/levers-runs.tgz" -C /tmp logs $(cd /tmp && ls -d run-*/dryrun.json run-*/dryrun.md 2>/dev/null; find run-* -name "memory-step*.md" -o -name "memory-step*.json" 2>/dev/null)
 stamp done
