@@ -7,7 +7,7 @@ import sys
 
 from tuneledger import launch
 
-PROBE = "import json, os; print('ENV ' + json.dumps({k: os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'PYTORCH_CUDA_ALLOC_CONF', 'TUNELEDGER_USE_UNSLOTH')}))"
+PROBE = "import json, os; print('ENV ' + json.dumps({k: os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF', 'TUNELEDGER_USE_UNSLOTH')}))"
 
 
 def _rank_env(tmp_path, monkeypatch, job: dict, **env) -> dict:
@@ -46,12 +46,20 @@ def test_ranks_import_unsloth_only_when_the_config_asks(tmp_path, monkeypatch):
 
 
 def test_the_new_allocator_variable_reaches_torch_2_5(tmp_path, monkeypatch):
-    """torch 2.5.1 (the pinned image) reads only PYTORCH_CUDA_ALLOC_CONF: a user's PYTORCH_ALLOC_CONF
-    is passed under the old name too, not replaced by the launcher's expandable_segments default."""
+    """torch 2.5.1 (the pinned image) reads only PYTORCH_CUDA_ALLOC_CONF, torch >= 2.8 the new name
+    first: the ranks get one value under both names, and profile_step reads the same one."""
+    from tuneledger import allocator
+
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     env = _rank_env(tmp_path, monkeypatch, {"config": {}}, PYTORCH_ALLOC_CONF="backend:cudaMallocAsync")
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == env["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    both = {"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     (tmp_path / "b").mkdir()
-    kept = _rank_env(tmp_path / "b", monkeypatch, {"config": {}}, PYTORCH_ALLOC_CONF="backend:cudaMallocAsync",
-                     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
-    assert kept["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"  # the user's own old-name value wins
+    kept = _rank_env(tmp_path / "b", monkeypatch, {"config": {}}, **both)
+    assert kept["PYTORCH_CUDA_ALLOC_CONF"] == kept["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
+    assert allocator.keeps_history(both)  # what the ranks use: the native allocator, which records
+    assert not allocator.keeps_history({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"})
+    for empty in ({"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_ALLOC_CONF": " "}, {}):  # empty is unset
+        assert allocator.rank_conf(empty) == (allocator.DEFAULT, None)
+    value, note = allocator.rank_conf(both)
+    assert value == "expandable_segments:False" and "differ" in note and "under both names" in note

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from tuneledger import allocator
 from tuneledger.config import ConfigError
 from tuneledger.nodes import Nodes, nccl_env
 from tuneledger.rank_output import FailureReader, FailureTable, StopTraceback
@@ -299,15 +300,8 @@ def run_workers(job: dict, job_path: Path, nproc: int, log_path: Path | None = N
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("NCCL_DEBUG", "WARN")
     env.setdefault("TORCH_WARM_POOL", "0")  # no compile-worker pool per rank (see cli.main)
-    if "PYTORCH_ALLOC_CONF" in env:
-        # torch 2.8 renamed the variable; the pinned image's torch 2.5.1 reads only the old name (and
-        # 2.9.1 ignored CUDA options under the new one, pytorch#183387): the user's setting reaches
-        # every torch under both names, and profile_step reads the same value the ranks use.
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", env["PYTORCH_ALLOC_CONF"])
-    else:
-        # Packed and padded micro-batches vary in shape: the caching allocator fragments (preset D
-        # held 69 GiB allocated in 138 GiB reserved) and then frees and retries, a stall of seconds.
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if note := allocator.apply(env):  # one value under both names: every torch reads the same (allocator.py)
+        print(note, flush=True)
     cache_dir = job.get("config", {}).get("cache_dir")
     if cache_dir:
         # Compiled layers' kernels beside the tokenized data, not in /tmp: a train after its dry-run

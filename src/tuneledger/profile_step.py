@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from tuneledger import allocator
 from tuneledger.config import ConfigError
 
 ENV = "TUNELEDGER_PROFILE_STEP"
@@ -67,17 +68,11 @@ def notes(step: int | None, total_steps: int, warmup_steps: int | None = None, e
     return []
 
 
-def _history_kept() -> bool:
-    # cudaMallocAsync keeps no allocator history: memory_step.py says so and records nothing.
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    return "cudamallocasync" not in conf.replace(" ", "").lower()
-
-
 def _steps(cuda: bool) -> dict[str, int | None]:
     # Without CUDA, or with cudaMallocAsync, no allocator history is recorded (the worker says so):
     # its step is not slowed. The value is still checked.
     memory = memory_requested()
-    return {ENV: requested(), MEMORY_ENV: memory if cuda and _history_kept() else None}
+    return {ENV: requested(), MEMORY_ENV: memory if cuda and allocator.keeps_history(os.environ) else None}
 
 
 def all_notes(total_steps: int, warmup_steps: int | None = None, cuda: bool = True) -> list[str]:
