@@ -166,6 +166,23 @@ def test_a_damaged_segment_block_or_frame_is_refused_by_number():
         split(snapshot([alloc(10, K, "frame as text")], {}), 0, 0, {})
 
 
+def test_a_lost_start_is_anchored_on_torchs_count_at_the_end(monkeypatch):
+    """400,000 events and more: the ring buffer drops the step's first allocations. Counting on from
+    the step's first count would give a peak too low and a negative end; anchored on torch's count
+    at the end, the kept events' peak and their rows agree (found by a new-user trial)."""
+    monkeypatch.setattr(memory_step, "MAX_ENTRIES", 5)
+    full = [alloc(10, 5000 * K, OURS), alloc(11, 3000 * K, OURS), free(10, 5000 * K), alloc(12, 2000 * K, OURS),
+            free(11, 3000 * K), free(12, 2000 * K), alloc(13, 64 * K, OURS)]
+    snap = {"segments": [{"device": 0, "blocks": [{"address": 1, "size": 1000 * K, "state": "active_allocated"},
+                                                  {"address": 13, "size": 64 * K, "state": "active_allocated"}]}],
+            "device_traces": [full[-5:]]}  # the last five: both big allocations lost
+    s = split(snap, 0, 1000 * K, {1: "frozen 16-bit weights"}, allocated_at_end=1064 * K)
+    assert s["truncated"] and round(s["peak_mib"] * 2**20 / K) == 9000 and round(s["end_mib"] * 2**20 / K) == 1064
+    rows = {r[0]: round(r[2] * 2**20 / K) for r in s["rows"]}
+    assert rows == {"before the kept history: freed after the peak": 8000, "before the kept history: frozen 16-bit weights": 1000}
+    assert s["replay_gap_mib"] == 0 and "anchored on torch's own" in memory_step.markdown(s, 3)
+
+
 def test_tensor_names_tells_the_kept_tensors_apart():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
     model[0].weight.requires_grad_(False)

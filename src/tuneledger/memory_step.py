@@ -180,10 +180,10 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
             unfreed.pop(e["addr"], None)
     exact = {i: active_end[a] for a, i in unfreed.items() if a in active_end}  # block sizes the snapshot gives
 
-    def walk(stop: int | None):
+    def walk(stop: int | None, start: int):
         live: dict[int, tuple[int, int]] = {}  # address -> (index of its alloc event, block bytes)
         freed_before: dict[int, int] = {}  # blocks from before the step freed so far: address -> bytes
-        total, peak, at = allocated_at_start, allocated_at_start, -1
+        total, peak, at = start, start, -1
         for i, e in enumerate(trace[:stop]):
             if e["action"] == "alloc":
                 live[e["addr"]] = (i, exact.get(i) or block_bytes(e["size"]))
@@ -197,8 +197,15 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
                 peak, at = total, i
         return live, freed_before, total, peak, at
 
-    live_end, freed_all, total_end, peak, at = walk(None)
-    live, freed_by_peak, _, _, _ = walk(at + 1)
+    before = "before the step"
+    if truncated and allocated_at_end is not None:
+        # The history lost the step's start: counting on from the step's first count would drift by
+        # every lost event. Anchor on torch's count at the end instead; what the kept events did
+        # not make is from before them.
+        allocated_at_start = max(0, allocated_at_end - walk(None, 0)[2])
+        before = "before the kept history"
+    live_end, freed_all, total_end, peak, at = walk(None, allocated_at_start)
+    live, freed_by_peak, _, _, _ = walk(at + 1, allocated_at_start)
     rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
     def add(key: tuple[str, str], size: int) -> None:
@@ -215,15 +222,15 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     traced_before = 0
     for addr, size in active_end.items():  # blocks from before the step that are still live at its end
         if addr not in live_end:
-            add((f"before the step: {names.get(addr, 'other')}", "-"), size)
+            add((f"{before}: {names.get(addr, 'other')}", "-"), size)
             traced_before += size
     for addr, size in freed_all.items():  # freed between the peak and the end
         if addr not in freed_by_peak:
-            add(("before the step: freed after the peak", "-"), size)
+            add((f"{before}: freed after the peak", "-"), size)
             traced_before += size
     before_at_peak = allocated_at_start - sum(freed_by_peak.values())
     if before_at_peak - traced_before > 0:  # blocks the snapshot no longer lists (a lost history's, say)
-        add(("before the step: not in the snapshot", "-"), before_at_peak - traced_before)
+        add((f"{before}: not in the snapshot", "-"), before_at_peak - traced_before)
     out = sorted(((k[0], k[1], v[0] / 2**20, v[1]) for k, v in rows.items()), key=lambda r: -r[2])
     gap = 0.0 if allocated_at_end is None else (allocated_at_end - total_end) / 2**20
     return {"peak_mib": peak / 2**20, "at_event": at + 1, "events": len(trace), "start_mib": allocated_at_start / 2**20,
@@ -245,8 +252,10 @@ def markdown(s: dict, step: int, run_peak_mib: float | None = None) -> str:
                   "than their requests: set expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF, the launcher's "
                   "default): the peak and the rows are off by about that much.", ""]
     if s["truncated"]:
-        lines += [f"The history kept only the last {MAX_ENTRIES:,} events: the step's start is missing, so the "
-                  "peak and the split are of what was kept.", ""]
+        lines += [f"The history kept only the last {MAX_ENTRIES:,} events: the step's start is missing. The "
+                  "count is anchored on torch's own after the step, so the peak is the kept events' (the "
+                  "step's own may lie in the lost start: compare the run's peak), its 'start' is where the "
+                  "kept events begin, and 'before the kept history' rows are what the kept events did not make.", ""]
     lines += ["| held by | package | MiB | blocks |", "| --- | --- | --- | --- |"]
     before = [r for r in s["rows"] if r[0].startswith("before")]
     during = [r for r in s["rows"] if not r[0].startswith("before")]
