@@ -586,10 +586,19 @@ def test_a_wait_measured_between_two_ranks_is_not_carried_to_one_gpu():
 
 
 @pytest.mark.parametrize("where, value, words", [
-    ("gpu_window.util_mean_pct", "82", "'82' is not a number from 0 to 100"),
-    ("gpu_window.util_mean_pct", 120, "120 is not a number from 0 to 100"),
-    ("split.sync_wait_s", -0.5, "-0.5 is not a number from 0 or more"),
-    ("peak_tflops_measured", 0, "0 is not a number above 0"),
+    ("gpu_window.util_mean_pct", "82", "'82': input should be a valid number"),
+    ("gpu_window.util_mean_pct", 120, "120: input should be less than or equal to 100"),
+    ("split.sync_wait_s", -0.5, "-0.5: input should be greater than or equal to 0"),
+    ("peak_tflops_measured", 0, "0: input should be greater than 0"),
+    ("s_per_step", -1, "-1: input should be greater than 0"),
+    ("s_per_step", "1.2", "'1.2': input should be a valid number"),
+    ("tokens_per_step", 0, "0: input should be greater than 0"),
+    ("micro_batch", 0, "0: input should be greater than or equal to 1"),
+    ("model", None, "None: input should be a valid dictionary"),
+    ("config", None, "None: input should be a valid dictionary"),
+    ("split", [1, 2], "[1, 2]: input should be a valid dictionary"),
+    ("memory_mib", "lots", "'lots': input should be a valid list"),
+    ("packing", 1, "1: input should be a valid boolean"),
 ])
 def test_a_ledger_number_out_of_range_is_named(tmp_path, where, value, words):
     led = json.loads((ROOT / "bench/results/whatif-2026-12-07/tune-cand2-B-dryrun.json").read_text())
@@ -601,3 +610,23 @@ def test_a_ledger_number_out_of_range_is_named(tmp_path, where, value, words):
     r = tuneledger(str(bad), "--gpus", "8x4090-pcie")
     assert r.returncode == 2 and f"presets[0] (preset B) {where}: {words}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("damage, words", [
+    ({"presets": ["A"]}, "presets[0] (preset ?) the row: 'A': input should be a valid dictionary"),
+    ({"gpu": 5}, "gpu: 5: input should be a valid string"),
+    ({"date": 20261204}, "date: 20261204: input should be a valid string"),
+    ({"stats": None}, "stats: None: input should be a valid dictionary"),
+    ({"stats": {"tokens_per_step": 100}}, "stats.length: missing"),
+    ({"stats": {"length": {"median": 600, "p95": "x"}}}, "stats.length.p95: 'x': input should be a valid number"),
+])
+def test_a_damaged_ledger_is_one_line_naming_the_field(tmp_path, damage, words):
+    """A trial's damaged ledgers: each one line with exit 2, not a traceback; a ledger without its
+    length summary is refused, not predicted with every sample the same length (14% fast)."""
+    led = json.loads((ROOT / "bench/results/whatif-2026-12-07/tune-cand2-B-dryrun.json").read_text())
+    led.update(damage)
+    bad = tmp_path / "dryrun.json"
+    bad.write_text(json.dumps(led))
+    r = tuneledger(str(bad), "--gpus", "8x4090-pcie")
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -39,15 +39,13 @@ import sys
 from pathlib import Path
 
 from tuneledger import costmodel as cm
+from tuneledger import whatif_ledger
 from tuneledger.eta import STARTUP, n_saves
 from tuneledger.files import disk_full, write_text_atomic
 from tuneledger.hwtable import Hardware, WhatifError, for_ledger_gpu, is_yaml, known_line, parse_gpus, source_kind
 from tuneledger.ledger import fmt_h
 from tuneledger.words import count_at_least, plural
 
-ROW_FIELDS = ("preset", "micro_batch", "gradient_checkpointing", "packing", "s_per_step", "tokens_per_step", "split",
-              "memory_mib", "model", "config")
-MODEL_FIELDS = ("matmul_params", "trainable_params", "total_params")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -89,20 +87,10 @@ def load_ledger(path: Path) -> dict:
     if not led["presets"]:
         raise WhatifError(f"{path}: no preset was measured ("
                           + "; ".join(f"{k}: {v}" for k, v in led["not_measured"].items()) + "): nothing to scale from")
-    for i, row in enumerate(led["presets"]):
-        missing = [k for k in ROW_FIELDS if k not in row] + [f"model.{k}" for k in MODEL_FIELDS if k not in row.get("model", {})]
-        if missing:
-            raise WhatifError(f"{path}: presets[{i}] (preset {row.get('preset', '?')}) lacks {', '.join(missing)}")
-        # Numbers the model reads that a dry-run writes as null when unknown: a number in range or null.
-        for where, value, ok, span in (
-                ("split.sync_wait_s", (row.get("split") or {}).get("sync_wait_s"), lambda v: v >= 0, "from 0 or more"),
-                ("gpu_window.util_mean_pct", (row.get("gpu_window") or {}).get("util_mean_pct"), lambda v: 0 <= v <= 100,
-                 "from 0 to 100"),
-                ("peak_tflops_measured", row.get("peak_tflops_measured"), lambda v: v > 0, "above 0")):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or not ok(value)):
-                raise WhatifError(f"{path}: presets[{i}] (preset {row.get('preset', '?')}) {where}: {value!r} is not a number "
-                                  f"{span} (a dry-run writes null when it did not measure it)")
+    try:
+        whatif_ledger.check(led, path)  # every field the model reads, typed: one line naming the row and field
+    except ValueError as e:
+        raise WhatifError(str(e)) from None
     return led
 
 
