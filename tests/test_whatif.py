@@ -313,7 +313,12 @@ def test_a_bad_yaml_and_a_bad_ledger_are_named(tmp_path):
     ("bf16_tflops", ".inf", "bf16_tflops: inf is not a finite number above 0"),  # was a prediction at inf TFLOP/s
     ("memory_gb", "0.5", "memory_gb: 0.5 leaves no memory for a job"),  # was "-0.5 GiB usable"
     ("allreduce_efficiency", "1.5", "allreduce_efficiency: 1.5 is not a finite number (0, 1]"),
-    ("host_speed", "1e9", None),  # YAML 1.1 reads it as text; it is a number
+    ("host_speed", "1e1", None),  # YAML 1.1 reads it as text; it is a number
+    ("memory_gbs", "1e-300", "memory_gbs: '1e-300' is outside what hardware has (1 to 1e+06"),  # was a 300-digit ETA
+    ("host_speed", "1000", "host_speed: 1000 is outside what hardware has (0.01 to 100"),
+    ("name", '""', "name: '' is not a name"),  # was "(: 165.2 TFLOP/s"
+    ("gpu", "[a, b]", "gpu: ['a', 'b'] is not a name"),
+    ("match", "5", "match: 5 is not a list of GPU names"),  # was a TypeError traceback
 ])
 def test_hardware_figures_must_be_finite_and_leave_memory(tmp_path, field, value, says):
     from tuneledger.hwtable import WhatifError, from_yaml
@@ -323,7 +328,7 @@ def test_hardware_figures_must_be_finite_and_leave_memory(tmp_path, field, value
              if not ln.startswith(f"{field}:")]
     own.write_text("\n".join(lines) + f"\n{field}: {value}\n")
     if says is None:
-        assert from_yaml(own)[0].host_speed == 1e9
+        assert from_yaml(own)[0].host_speed == 10
         return
     with pytest.raises(WhatifError, match=f"{own}:{len(lines) + 1}: " + re.escape(says)):
         from_yaml(own)
@@ -342,6 +347,10 @@ def test_a_binary_ledger_and_a_hardware_field_given_twice_are_bad_input(tmp_path
     twice.write_text((ROOT / "src/tuneledger/hardware/H100-sxm.yaml").read_text() + "bf16_tflops: 100\n")
     assert cli_rc(["whatif", str(SCALING / "dryrun-1gpu.json"), "--gpus", f"{twice}"]) == 2
     assert "key 'bf16_tflops' is given twice" in capsys.readouterr().err
+    utf16 = tmp_path / "notepad.yaml"  # what a Windows editor saves as "Unicode"
+    utf16.write_text((ROOT / "src/tuneledger/hardware/H100-sxm.yaml").read_text() + "count: 2\n", encoding="utf-16")
+    assert cli_rc(["whatif", str(SCALING / "dryrun-1gpu.json"), "--gpus", str(utf16)]) == 2
+    assert f"{utf16}: not UTF-8 text" in capsys.readouterr().err
 
 
 def cli_rc(argv: list[str]) -> int:

@@ -43,6 +43,11 @@ OPTIONAL = {
     "bf16_tflops_measured": ("bf16 TFLOP/s a large square torch.mm reaches on this GPU, measured (public records or the "
                              "dry-run's 8192^3 probe; at most 1.25x bf16_tflops); absent: the datasheet peaks' ratio", 0.0),
 }
+# What a GPU, its link and its host can be (inclusive): a figure outside is a typo (1e-300 GB/s
+# gave a 300-digit ETA), refused with the range.
+PLAUSIBLE = {"bf16_tflops": (1, 100_000), "bf16_tflops_measured": (1, 100_000), "memory_gb": (0, 100_000),
+             "memory_gbs": (1, 1_000_000), "link_gbs": (0.01, 100_000), "link_latency_us": (0, 1_000_000),
+             "host_speed": (0.01, 100)}
 YAML_FORM = """\
   name: my-gpu            # a short name
   gpu: NVIDIA L40S        # as nvidia-smi names it
@@ -106,6 +111,8 @@ def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | Non
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise WhatifError(f"{path}: cannot read the hardware file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:  # UTF-16 (a Windows editor's "Unicode"), or not text at all
+        raise WhatifError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the hardware file as UTF-8") from None
     try:
         data = yaml.load(text, Loader=StrictLoader)
     except DuplicateKey as e:
@@ -140,6 +147,12 @@ def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | Non
                 bound = "(0, 1]" if k == "allreduce_efficiency" else f"above {low:g}" if low >= 0 else ">= 0"
                 raise WhatifError(f"{at(k)}: {k}: {data[k]!r} is not a finite number {bound} ({meaning})")
             v = float(v)
+            lo, hi = PLAUSIBLE.get(k, (-math.inf, math.inf))
+            if not lo <= v <= hi:
+                raise WhatifError(f"{at(k)}: {k}: {data[k]!r} is outside what hardware has ({lo:g} to {hi:g}; "
+                                  f"{meaning}): a typo?")
+        elif not isinstance(v, (str, int, float)) or isinstance(v, bool) or not str(v).strip():
+            raise WhatifError(f"{at(k)}: {k}: {data[k]!r} is not a name ({meaning})")
         values[k] = str(v) if low is None else v
     measured = values.get("bf16_tflops_measured")
     if measured and measured > 1.25 * values["bf16_tflops"]:  # a GeForce card's boost reaches ~1.05x
@@ -157,6 +170,11 @@ def from_yaml(path: Path, need_count: bool = False) -> tuple[Hardware, int | Non
     if not isinstance(source, dict):
         raise WhatifError(f"{at('source')}: source: a mapping of field -> where the figure comes from")
     match = data.get("match") or [values["gpu"]]
+    if isinstance(match, str):
+        match = [match]
+    if not isinstance(match, list) or not all(isinstance(m, str) and m.strip() for m in match):
+        raise WhatifError(f"{at('match')}: match: {data['match']!r} is not a list of GPU names (as nvidia-smi "
+                          "names them) that this entry stands for")
     return Hardware(**values, match=tuple(str(m) for m in match), source=source, where=str(path)), count
 
 
