@@ -38,7 +38,8 @@ def test_notes_say_a_step_past_the_end_and_a_measured_step():
 
 def test_the_memory_step_gets_the_same_notes_and_ledger_key(monkeypatch):
     """TUNELEDGER_MEMORY_STEP: a step past the end and a measured step are said like the profiler's,
-    with its own name and cost; on a CPU (no allocator history) it slows nothing and is not said."""
+    with its own name and cost; on a CPU or with cudaMallocAsync (no allocator history) it slows
+    nothing, and why nothing is recorded is said once."""
     env = profile_step.MEMORY_ENV
     assert "TUNELEDGER_MEMORY_STEP=9: this run makes 4 steps, so no step is recorded" in profile_step.notes(9, 4, 1, env)[0]
     measured = profile_step.notes(3, 4, 2, env)[0]
@@ -50,9 +51,15 @@ def test_the_memory_step_gets_the_same_notes_and_ledger_key(monkeypatch):
     assert profile_step.measured_steps(1, 4, cuda=False) == {"profiled_step": 2}
     both = profile_step.all_notes(4, 1)
     assert [n.split("=")[0] for n in both] == ["note: TUNELEDGER_PROFILE_STEP", "note: TUNELEDGER_MEMORY_STEP"]
-    assert len(profile_step.all_notes(4, 1, cuda=False)) == 1
+    on_cpu = profile_step.all_notes(4, 1, cuda=False)  # nothing slowed, and said once here (not per preset)
+    assert len(on_cpu) == 2 and on_cpu[1] == "note: TUNELEDGER_MEMORY_STEP=3: no CUDA GPU here, so no allocator history to split"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # keeps no history: nothing slowed
-    assert profile_step.measured_steps(1, 4) == {"profiled_step": 2} and len(profile_step.all_notes(4, 1)) == 1
+    asynchronous = profile_step.all_notes(4, 1)
+    assert profile_step.measured_steps(1, 4) == {"profiled_step": 2} and len(asynchronous) == 2
+    assert "cudaMallocAsync, which keeps none" in asynchronous[1]
+    monkeypatch.setenv(env, "9")  # a step past the end is said too
+    assert "cudaMallocAsync" in profile_step.all_notes(4, 1)[-1]
+    monkeypatch.setenv(env, "3")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     no_warmup = profile_step.notes(1, 4, 0, env)[0]
     assert "Set dryrun_warmup_steps >= 1 and name step 1" in no_warmup and "<= 0" not in no_warmup

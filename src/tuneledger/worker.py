@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuneledger import env_levers, profile_step, unsloth_backend
+from tuneledger import allocator, env_levers, profile_step, unsloth_backend
 
 unsloth_backend.import_first()  # use_unsloth: Unsloth patches transformers and peft as it imports, so first
 
@@ -47,8 +47,8 @@ from tuneledger.trainer import LedgerTrainer, LogLastStep, PlotLoss, time_loss_p
 
 def why_no_allocator_history(cuda: bool) -> str:
     """Why TUNELEDGER_MEMORY_STEP can record nothing in this process ("" when it can): no CUDA, or
-    torch's allocator is cudaMallocAsync, asked for by either variable torch reads. Said at the start,
-    whatever the step: a step past the end would otherwise say nothing at all."""
+    torch's allocator is cudaMallocAsync, asked for by either variable torch reads. The launcher
+    says it once for what it can foresee (profile_step.all_notes); the ranks only what it could not."""
     if not cuda:
         return "no CUDA GPU here"
     if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
@@ -178,7 +178,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
         from tuneledger.memory_step import MemoryStep
 
         trainer.add_callback(MemoryStep(recorded, out_dir, rank))
-    elif recorded and rank == 0:
+    elif recorded and rank == 0 and cuda and allocator.keeps_history(os.environ):  # else the launcher said it, once
         print(f"note: {profile_step.MEMORY_ENV}={recorded}: {no_history}, so no allocator history to split", flush=True)
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
