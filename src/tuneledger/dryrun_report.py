@@ -240,7 +240,7 @@ def print_table(led: dict) -> None:
     if rows:
         r = rows[0]
         print(f"total steps {r['eta']['total_steps']:,} ({plural(r['eta']['checkpoints'], 'checkpoint')} of {r['checkpoint_bytes'] / 1e9:.2f} GB); "
-              f"steady state after {led['warmup_steps']} warm-up steps; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
+              f"steady state after {plural(led['warmup_steps'], 'warm-up step')}; trainable {r['model']['trainable_params'] / 1e6:.1f}M "
               f"({r['model']['trainable_pct']}%)")
         for line in common_lines("levers", {row["preset"]: row["model"].get("levers") or {} for row in rows}):
             print(line)

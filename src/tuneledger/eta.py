@@ -165,7 +165,7 @@ def fmt_parts(eta: dict) -> str:
     note = ""
     if eta.get("cold_compile_s") is not None and abs(eta["cold_compile_s"] - p["compile_s"]) > 0.05:
         note = f"; compile from the dry-run's cached kernels, {eta['cold_compile_s']:.1f} s cold"
-    text = (f"start-up {fmt_h(start)} ({inner} s{note}) + {eta['warmup_steps']} warm-up steps {p['warmup_steps_s']:.1f} s "
+    text = (f"start-up {fmt_h(start)} ({inner} s{note}) + {plural(eta['warmup_steps'], 'warm-up step')} {p['warmup_steps_s']:.1f} s "
             f"+ {eta['steady_steps']} steps x {eta['s_per_step']:.3f} s = {fmt_h(p['steps_s'])} "
             f"+ {plural(eta['checkpoints'], 'save')} x {eta['save_s']:.1f} s")
     if p["eval_s"]:

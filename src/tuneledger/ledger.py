@@ -88,7 +88,7 @@ def summarize_run(result: dict, warmup: int) -> dict:
     steps = r0["steps"]
     n = len(steps)
     if n <= warmup:
-        raise ValueError(f"dry-run made {n} steps, not more than the {warmup} warm-up steps; raise dryrun_steps")
+        raise ValueError(f"dry-run made {n} steps, not more than the {plural(warmup, 'warm-up step')}; raise dryrun_steps")
     steady = steps[warmup:]
     # From the end of the last warm-up step, so the gap before the first steady step counts too.
     window = steps[-1]["t_end"] - (steps[warmup - 1]["t_end"] if warmup else 0.0)
