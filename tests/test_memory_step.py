@@ -129,6 +129,11 @@ def test_the_table_lists_before_then_the_biggest_of_the_step_and_sums_the_rest()
 def test_a_snapshot_without_the_gpus_history_is_refused():
     with pytest.raises(ValueError, match="no allocator history for GPU 1"):
         split({"segments": [], "device_traces": [[]]}, 1, 0, {})
+    for damaged in ([], None, {"device_traces": {"0": []}}, {"device_traces": [None]}):
+        with pytest.raises(ValueError, match="no device_traces list"):
+            split(damaged, 0, 0, {})
+    with pytest.raises(ValueError, match="entry 0 .* a text filename"):
+        split(snapshot([alloc(10, K, {"filename": 5, "line": 1, "name": "f"})], {}), 0, 0, {})
 
 
 def test_an_event_without_its_size_or_address_is_refused_by_number():

@@ -150,7 +150,10 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
     by, package, MiB, blocks)], biggest first}. Raises ValueError for a snapshot without device
     `device`'s history, with an alloc or free event whose addr or size is not a whole number >= 0,
     or with a damaged segment or live block (_live_blocks), each named by its index."""
-    traces = snapshot.get("device_traces") or []
+    traces = snapshot.get("device_traces") if isinstance(snapshot, dict) else None
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise ValueError("memory snapshot: no device_traces list of per-GPU histories (torch.cuda.memory._snapshot() "
+                         "with the history recorded has one)")
     if device >= len(traces):
         raise ValueError(f"memory snapshot: no allocator history for GPU {device} ({len(traces)} recorded)")
     truncated = len(traces[device]) >= MAX_ENTRIES
@@ -166,9 +169,10 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
                              f"memory_viz and the pickle's device_traces[{device}] count) has no "
                              f"whole number >= 0 for {' or '.join(bad)}")
         frames = e.get("frames") or []
-        if not isinstance(frames, list) or not all(isinstance(f, dict) for f in frames):
+        if not isinstance(frames, list) or not all(isinstance(f, dict) and isinstance(f.get("filename", ""), str)
+                                                  for f in frames):
             raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based) has frames "
-                             "that are not a list of mappings")
+                             "that are not a list of mappings with a text filename")
         trace.append(e)
     active_end = _live_blocks(snapshot, device)
 
