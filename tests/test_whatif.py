@@ -608,6 +608,14 @@ def test_a_wait_measured_between_two_ranks_is_not_carried_to_one_gpu():
     ("split", [1, 2], "[1, 2]: input should be a valid dictionary"),
     ("memory_mib", "lots", "'lots': input should be a valid list"),
     ("packing", 1, "1: input should be a valid boolean"),
+    ("eta.parts", [1], "[1]: input should be a valid dictionary"),
+    ("eta.total_steps", -25, "-25: input should be greater than or equal to 0"),
+    ("eta.save_s", "x", "'x': input should be a valid number"),
+    ("diagnosis.bottleneck", "host bound", "'host bound': input should be"),
+    ("model.levers", [1], "[1]: input should be a valid dictionary"),
+    ("model.trainable_params", 1e12, "model.trainable_params 1e+12 is more than model.total_params"),
+    ("split.optimizer_s", 1e6, "split's all-reduce, sync wait, optimizer and data wait (1e+06 s) are more than"),
+    ("tokens_per_s", 0, "0: input should be greater than 0"),
 ])
 def test_a_ledger_number_out_of_range_is_named(tmp_path, where, value, words):
     led = json.loads((ROOT / "bench/results/whatif-2026-12-07/tune-cand2-B-dryrun.json").read_text())
@@ -617,7 +625,8 @@ def test_a_ledger_number_out_of_range_is_named(tmp_path, where, value, words):
     bad = tmp_path / "dryrun.json"
     bad.write_text(json.dumps(led))
     r = tuneledger(str(bad), "--gpus", "8x4090-pcie")
-    assert r.returncode == 2 and f"presets[0] (preset B) {where}: {words}" in r.stderr, r.stderr
+    named = f"presets[0] (preset B) {words}" if "more than" in words else f"presets[0] (preset B) {where}: {words}"
+    assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -628,6 +637,8 @@ def test_a_ledger_number_out_of_range_is_named(tmp_path, where, value, words):
     ({"stats": None}, "stats: None: input should be a valid dictionary"),
     ({"stats": {"tokens_per_step": 100}}, "stats.length: missing"),
     ({"stats": {"length": {"median": 600, "p95": "x"}}}, "stats.length.p95: 'x': input should be a valid number"),
+    ({"date": None}, "date: None: input should be a valid string"),
+    ({"world_size": 1000000}, "world_size: 1000000: input should be less than or equal to 4096"),
 ])
 def test_a_damaged_ledger_is_one_line_naming_the_field(tmp_path, damage, words):
     """A trial's damaged ledgers: each one line with exit 2, not a traceback; a ledger without its

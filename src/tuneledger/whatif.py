@@ -82,7 +82,7 @@ def load_ledger(path: Path) -> dict:
                           "bench/results/h200-2026-11-30-scaling/dryrun-1gpu.json)")
     # A preset the dry-run did not measure (interrupted, out of memory, ruled out) has nothing to scale:
     # it is left out and said, and `--preset` naming it says why.
-    led["not_measured"] = {r.get("preset", "?"): r["skipped"] for r in led["presets"] if isinstance(r, dict) and "skipped" in r}
+    led["not_measured"] = {str(r.get("preset", "?")): r["skipped"] for r in led["presets"] if isinstance(r, dict) and "skipped" in r}
     led["presets"] = [r for r in led["presets"] if not (isinstance(r, dict) and "skipped" in r)]
     if not led["presets"]:
         raise WhatifError(f"{path}: no preset was measured ("

@@ -10,13 +10,17 @@ a bool.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tuneledger.diagnose import BOTTLENECKS
 
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 AtLeast0 = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1)]
+MAX_WORLD = 4096  # ranks: beyond any box or cluster a ledger comes from (a million allocated 119 GiB)
+MAX_MIB = 10_000_000  # MiB per GPU: 10 TB, beyond any card
 
 
 class _Part(BaseModel):
@@ -35,10 +39,11 @@ class ModelSize(_Part):
     matmul_params: Positive
     trainable_params: Positive
     total_params: Positive
+    levers: Optional[dict] = None  # what ran (speed.py): read for absmax_once
 
 
 class Memory(_Part):
-    peak_allocated: AtLeast0  # MiB
+    peak_allocated: Annotated[float, Field(ge=0, le=MAX_MIB, allow_inf_nan=False)]  # MiB
 
 
 class RunConfig(_Part):
@@ -48,6 +53,16 @@ class RunConfig(_Part):
 
 class GpuWindow(_Part):
     util_mean_pct: Optional[Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)]] = None
+
+
+class Eta(_Part):
+    parts: Optional[dict[str, Optional[AtLeast0]]] = None  # the start-up parts and finish_s, s
+    total_steps: Optional[Annotated[int, Field(ge=0)]] = None
+    save_s: Optional[AtLeast0] = None
+
+
+class Diagnosis(_Part):
+    bottleneck: Optional[Literal[BOTTLENECKS]] = None  # type: ignore[valid-type]
 
 
 class Row(_Part):
@@ -63,14 +78,28 @@ class Row(_Part):
     config: RunConfig
     peak_tflops_measured: Optional[Positive] = None
     gpu_window: Optional[GpuWindow] = None
-    diagnosis: Optional[dict] = None
-    eta: Optional[dict] = None
+    diagnosis: Optional[Diagnosis] = None
+    eta: Optional[Eta] = None
     save_s: Optional[AtLeast0] = None
+    tokens_per_s: Positive  # --against reads it
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.model.trainable_params > self.model.total_params:
+            raise ValueError(f"model.trainable_params {self.model.trainable_params:g} is more than model.total_params "
+                             f"{self.model.total_params:g}")
+        over = sum(v or 0.0 for v in (self.split.allreduce_s, self.split.sync_wait_s, self.split.optimizer_s,
+                                      self.split.data_wait_s))
+        if over > self.s_per_step * 1.001:
+            raise ValueError(f"split's all-reduce, sync wait, optimizer and data wait ({over:g} s) are more than "
+                             f"s_per_step ({self.s_per_step:g} s)")
+        return self
 
 
 class Length(_Part):
     median: AtLeast0  # tokens
     p95: AtLeast0
+    mean: Optional[AtLeast0] = None
 
 
 class Stats(_Part):
@@ -81,8 +110,8 @@ class Stats(_Part):
 class Ledger(_Part):
     presets: list[Row]
     gpu: str
-    world_size: Count = 1
-    date: Optional[str] = None
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
+    date: str = "?"
     stats: Stats
 
 
@@ -104,6 +133,9 @@ def check(led: dict, path: Path | str) -> None:
         if err["type"] == "missing":
             raise ValueError(f"{path}: {where}{field}: missing (a dry-run's dryrun.json has it: was the ledger "
                              "cut short or edited?)") from None
+        if err["type"] == "value_error":  # a check across fields (Row._consistent): its own sentence
+            raise ValueError(f"{path}: {where}{err['msg'].removeprefix('Value error, ')} (not what a dry-run "
+                             "writes: was the ledger edited?)") from None
         msg = err["msg"][0].lower() + err["msg"][1:]
         raise ValueError(f"{path}: {where}{field}: {err.get('input')!r}: {msg} (not what a dry-run writes: was the "
                          "ledger edited?)") from None
