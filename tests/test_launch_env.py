@@ -63,3 +63,6 @@ def test_the_new_allocator_variable_reaches_torch_2_5(tmp_path, monkeypatch):
         assert allocator.rank_conf(empty) == (allocator.DEFAULT, None)
     value, note = allocator.rank_conf(both)
     assert value == "expandable_segments:False" and "differ" in note and "under both names" in note
+    assert allocator.rank_conf({"PYTORCH_ALLOC_CONF": "a: b", "PYTORCH_CUDA_ALLOC_CONF": "a:b"})[1] is None  # spaces
+    monkeypatch.setattr(allocator, "_said", set())
+    assert allocator.apply(dict(both)) == note and allocator.apply(dict(both)) is None  # once per command

@@ -316,6 +316,7 @@ def test_a_bad_yaml_and_a_bad_ledger_are_named(tmp_path):
     ("host_speed", "1e1", None),  # YAML 1.1 reads it as text; it is a number
     ("memory_gbs", "1e-300", "memory_gbs: '1e-300' is outside what hardware has (1 to 1e+06"),  # was a 300-digit ETA
     ("host_speed", "1000", "host_speed: 1000 is outside what hardware has (0.01 to 100"),
+    ("allreduce_efficiency", "1e-300", "allreduce_efficiency: '1e-300' is outside what hardware has (0.01 to 1"),
     ("name", '""', "name: '' is not a name"),  # was "(: 165.2 TFLOP/s"
     ("gpu", "[a, b]", "gpu: ['a', 'b'] is not a name"),
     ("match", "5", "match: 5 is not a list of GPU names"),  # was a TypeError traceback

@@ -23,16 +23,24 @@ def rank_conf(environ: Mapping[str, str]) -> tuple[str, str | None]:
     name's value wins where both are set and differ (what torch 2.5.1 reads; the note says so);
     neither set (or both empty): DEFAULT."""
     old, new = environ.get(OLD, "").strip(), environ.get(NEW, "").strip()
-    if old and new and old != new:
+    if old and new and old.replace(" ", "") != new.replace(" ", ""):
         return old, (f"note: {NEW}={new!r} and {OLD}={old!r} differ, and torch versions disagree on which "
                      f"they read: the ranks get {old!r} under both names (set one of them to silence this)")
     return old or new or DEFAULT, None
 
 
+_said: set[str] = set()
+
+
 def apply(env: dict[str, str]) -> str | None:
-    """Put rank_conf(env)'s value into `env` under both names; return its note (or None)."""
+    """Put rank_conf(env)'s value into `env` under both names; return its note, the first time this
+    process meets it (a dry-run launches once per preset: said once), else None."""
     value, note = rank_conf(env)
     env[OLD] = env[NEW] = value
+    if note in _said:
+        return None
+    if note:
+        _said.add(note)
     return note
 
 

@@ -47,7 +47,7 @@ OPTIONAL = {
 # gave a 300-digit ETA), refused with the range.
 PLAUSIBLE = {"bf16_tflops": (1, 100_000), "bf16_tflops_measured": (1, 100_000), "memory_gb": (0, 100_000),
              "memory_gbs": (1, 1_000_000), "link_gbs": (0.01, 100_000), "link_latency_us": (0, 1_000_000),
-             "host_speed": (0.01, 100)}
+             "host_speed": (0.01, 100), "allreduce_efficiency": (0.01, 1)}
 YAML_FORM = """\
   name: my-gpu            # a short name
   gpu: NVIDIA L40S        # as nvidia-smi names it
