@@ -78,9 +78,17 @@ def main() -> int:
     out = Path(a.out)
     if out.is_dir() or not out.parent.is_dir():
         ap.error(f"--out {a.out}: {'a folder' if out.is_dir() else 'its folder does not exist'}; give a file path (.md)")
+    if taken := [p.name for p in [out.with_name(f"{out.stem}-sd{sd:g}.json") for sd in a.sd] if p.is_dir()]:
+        ap.error(f"--out {a.out}: {', '.join(taken)} beside it is a folder, where an output goes")
+    try:  # a folder that cannot take the outputs is found now, not after every sd
+        tempfile.NamedTemporaryFile(dir=out.parent, prefix=".write-check-").close()
+    except OSError as e:
+        ap.error(f"--out {a.out}: cannot write in {out.parent} ({e.strerror or e})")
     extra = (["--steps", str(a.steps)] if a.steps else []) + (["--save-steps", str(a.save_steps)] if a.save_steps else [])
     # whatif on the ledger as given first: its errors then name the user's file and option, not a copy's
     rc, said = whatif_quietly(["whatif", a.ledger, "--gpus", a.gpus, *extra])
+    if rc == 130:
+        raise KeyboardInterrupt
     if rc != 0:
         print(said.strip(), file=sys.stderr)
         return rc
@@ -99,8 +107,7 @@ def main() -> int:
             pred = Path(tmp) / f"{out.stem}-sd{sd:g}.json"
             rc, said = whatif_quietly(["whatif", str(src), "--gpus", a.gpus, "--json", str(pred), *extra])
             if rc == 130:
-                print("interrupted: nothing written", file=sys.stderr)
-                return 130
+                raise KeyboardInterrupt
             if rc != 0:
                 print(said, file=sys.stderr)
                 return 1
@@ -125,6 +132,7 @@ def main() -> int:
 def stop_on_sigterm() -> None:
     """SIGTERM as Ctrl-C: the scratch folder is removed and the exit says so."""
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM while cleaning up: ignored
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)

@@ -35,6 +35,7 @@ def test_bad_input_is_one_line_naming_the_file_or_the_option(tmp_path):
     led["stats"]["length"]["p95"] = "900"
     (tmp_path / "textp95.json").write_text(json.dumps(led))
     (tmp_path / "adir.md").mkdir()
+    (tmp_path / "sdtaken-sd88.json").mkdir()
     for args, says in (([str(tmp_path / "missing.json")], "missing.json: cannot read the dry-run ledger"),
                        ([str(tmp_path / "bad.json")], "bad.json:1:1: not valid JSON"),
                        ([str(tmp_path / "nolen.json")], "nolen.json: no 'presets' list"),
@@ -43,6 +44,8 @@ def test_bad_input_is_one_line_naming_the_file_or_the_option(tmp_path):
                        ([str(LEDGER), "--steps", "0"], "--steps: 0: a whole number >= 1"),
                        ([str(LEDGER), "--out", str(tmp_path / "adir.md")], "adir.md: a folder"),
                        ([str(LEDGER), "--out", str(tmp_path / "nowhere/o.md")], "its folder does not exist"),
+                       ([str(LEDGER), "--out", "/proc/o.md"], "cannot write in /proc"),
+                       ([str(LEDGER), "--out", str(tmp_path / "sdtaken.md")], "sdtaken-sd88.json beside it is a folder"),
                        ([str(LEDGER), "--sd", "-5"], "--sd -5: an sd is a finite number of tokens from 0 to 100,000"),
                        ([str(LEDGER), "--sd", "1e308"], "--sd 1e+308: an sd is"),
                        ([str(LEDGER), "--sd", "nan"], "--sd nan: an sd is")):
@@ -52,7 +55,7 @@ def test_bad_input_is_one_line_naming_the_file_or_the_option(tmp_path):
         p = subprocess.run([sys.executable, str(ROOT / "bench/whatif_length_spread.py"), *args, *sd, *gpus, *out],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["adir.md", "bad.json", "nolen.json", "textp95.json"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["adir.md", "bad.json", "nolen.json", "sdtaken-sd88.json", "textp95.json"]
 
 
 def test_an_interrupted_run_writes_nothing_and_leaves_nothing_running(tmp_path):
