@@ -129,6 +129,11 @@ def test_the_table_lists_before_then_the_biggest_of_the_step_and_sums_the_rest()
 def test_a_snapshot_without_the_gpus_history_is_refused():
     with pytest.raises(ValueError, match="no allocator history for GPU 1"):
         split({"segments": [], "device_traces": [[]]}, 1, 0, {})
+    for bad in (0, "", {}):  # a falsy non-list is damage too, not "no segments"
+        with pytest.raises(ValueError, match="segments is a"):
+            split({"segments": bad, "device_traces": [[]]}, 0, 0, {})
+    with pytest.raises(ValueError, match="frames that are not a list"):
+        split(snapshot([{**alloc(10, K), "frames": 0}], {}), 0, 0, {})
     for damaged in ([], None, {"device_traces": {"0": []}}, {"device_traces": [None]}):
         with pytest.raises(ValueError, match="no device_traces list"):
             split(damaged, 0, 0, {})
@@ -186,6 +191,10 @@ def test_a_lost_start_is_anchored_on_torchs_count_at_the_end(monkeypatch):
     rows = {r[0]: round(r[2] * 2**20 / K) for r in s["rows"]}
     assert rows == {"before the kept history: freed after the peak": 8000, "before the kept history: frozen 16-bit weights": 1000}
     assert s["replay_gap_mib"] == 0 and "anchored on torch's own" in memory_step.markdown(s, 3)
+    monkeypatch.setattr(memory_step, "MAX_ENTRIES", 4)  # the one alloc and snapshot()'s three other events: full
+    kept_more = snapshot([alloc(20, 2**21, OURS)], {20: 2**21})  # 2 MiB kept, 1 MiB counted at the end
+    with pytest.raises(ValueError, match="allocates 1.0 MiB more than torch counted"):
+        split(kept_more, 0, 0, {}, allocated_at_end=2**20)
 
 
 def test_tensor_names_tells_the_kept_tensors_apart():

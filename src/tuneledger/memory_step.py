@@ -117,7 +117,8 @@ def _live_blocks(snapshot: dict, device: int) -> dict[int, int]:
     ValueError naming segment j and block k (0-based, as the pickle's segments[j]["blocks"][k]) for
     one that is not a mapping, or a live block whose address or size is not a whole number >= 0."""
     live: dict[int, int] = {}
-    segments = snapshot.get("segments") or []
+    segments = snapshot.get("segments")
+    segments = [] if segments is None else segments
     if not isinstance(segments, list):
         raise ValueError(f"memory snapshot: segments is a {type(segments).__name__}, not a list")
     for j, seg in enumerate(segments):
@@ -168,7 +169,7 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
             raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based, as "
                              f"memory_viz and the pickle's device_traces[{device}] count) has no "
                              f"whole number >= 0 for {' or '.join(bad)}")
-        frames = e.get("frames") or []
+        frames = [] if e.get("frames") is None else e["frames"]
         if not isinstance(frames, list) or not all(isinstance(f, dict) and isinstance(f.get("filename", ""), str)
                                                   for f in frames):
             raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based) has frames "
@@ -206,7 +207,10 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
         # The history lost the step's start: counting on from the step's first count would drift by
         # every lost event. Anchor on torch's count at the end instead; what the kept events did
         # not make is from before them.
-        allocated_at_start = max(0, allocated_at_end - walk(None, 0)[2])
+        allocated_at_start = allocated_at_end - walk(None, 0)[2]
+        if allocated_at_start < 0:
+            raise ValueError(f"memory snapshot: GPU {device}'s kept history allocates {-allocated_at_start / 2**20:,.1f} "
+                             "MiB more than torch counted at the step's end: the history is not this step's")
         before = "before the kept history"
     live_end, freed_all, total_end, peak, at = walk(None, allocated_at_start)
     live, freed_by_peak, _, _, _ = walk(at + 1, allocated_at_start)
