@@ -129,6 +129,10 @@ def test_the_table_lists_before_then_the_biggest_of_the_step_and_sums_the_rest()
 def test_a_snapshot_without_the_gpus_history_is_refused():
     with pytest.raises(ValueError, match="no allocator history for GPU 1"):
         split({"segments": [], "device_traces": [[]]}, 1, 0, {})
+    with pytest.raises(ValueError, match="entry 1 .* address 10 allocated again with no free since entry 0"):
+        split(snapshot([alloc(10, K), alloc(10, K)], {}), 0, 0, {})  # the rows summed less than the peak
+    with pytest.raises(ValueError, match="entry 2 .* address 10 freed again with no alloc since entry 1"):
+        split(snapshot([alloc(10, K), free(10, K), free(10, K)], {}), 0, 0, {})
     for bad in (0, "", {}):  # a falsy non-list is damage too, not "no segments"
         with pytest.raises(ValueError, match="segments is a"):
             split({"segments": bad, "device_traces": [[]]}, 0, 0, {})

@@ -159,6 +159,7 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
         raise ValueError(f"memory snapshot: no allocator history for GPU {device} ({len(traces)} recorded)")
     truncated = len(traces[device]) >= MAX_ENTRIES
     trace = []  # the allocations and frees, checked as they are picked out
+    last: dict[int, tuple[str, int]] = {}  # address -> (its last alloc or free, entry number)
     for i, e in enumerate(traces[device]):
         if not isinstance(e, dict) or not isinstance(e.get("action"), str):  # torch's entries always name their action
             raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} (0-based) has no action")
@@ -174,6 +175,13 @@ def split(snapshot: dict, device: int, allocated_at_start: int, names: dict[int,
                                                   for f in frames):
             raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} ({e['action']}; 0-based) has frames "
                              "that are not a list of mappings with a text filename")
+        before = last.get(e["addr"])
+        if before is not None and before[0] == e["action"]:  # the allocator alternates them per address
+            twice = "allocated" if e["action"] == "alloc" else "freed"
+            raise ValueError(f"memory snapshot: GPU {device}'s history entry {i} (0-based) has address {e['addr']} "
+                             f"{twice} again with no {'free' if twice == 'allocated' else 'alloc'} since entry "
+                             f"{before[1]}: a damaged history")
+        last[e["addr"]] = (e["action"], i)
         trace.append(e)
     active_end = _live_blocks(snapshot, device)
 
