@@ -23,7 +23,7 @@ override PASSED_VARS := HF_% HUGGINGFACE_% TRANSFORMERS_% CUDA_% NCCL_% TORCH_% 
 # and every ${NAME} the compose files read (BASE_IMAGE=, SHM_SIZE=, ...: the image build and the
 # containers take them from make's environment), and what `make bench`'s bench/h200_levers.sh reads
 # that its recipe does not set (BENCH_ENV_VARS; tests/test_makefile.py keeps the list whole)
-override BENCH_ENV_VARS := UNSLOTH_PROFILE PROFILE_RUN FLAGS WARMUP COMPILE_CHECK GC_CHECK PYTHONPATH TUNELEDGER_MEMORY_STEP
+override BENCH_ENV_VARS := UNSLOTH_PROFILE PROFILE_RUN FLAGS WARMUP COMPILE_CHECK GC_CHECK PYTHONPATH TUNELEDGER_MEMORY_STEP PACK
 override PASSED_VARS += $(shell { cat $(dir $(THIS_MAKEFILE))docker-compose*.yml \
 	| grep -oE '\$$\{[A-Za-z_][A-Za-z0-9_]*' | cut -c3- | sort -u; } 2>/dev/null) $(BENCH_ENV_VARS) ALL_PROXY all_proxy
 # A command-line variable that the Makefile computes itself (JOB_OVERRIDES=..., DOCKER_GPU=...)

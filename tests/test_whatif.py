@@ -651,3 +651,13 @@ def test_a_damaged_ledger_is_one_line_naming_the_field(tmp_path, damage, words):
     r = tuneledger(str(bad), "--gpus", "8x4090-pcie")
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_against_needs_the_measured_tokens_per_s(tmp_path):
+    """The model does not read tokens_per_s; --against compares with it: missing there, one line, exit 2."""
+    led = json.loads((SCALING / "dryrun-2gpu.json").read_text())
+    del led["presets"][0]["tokens_per_s"]
+    other = tmp_path / "two.json"
+    other.write_text(json.dumps(led))
+    r = tuneledger(str(SCALING / "dryrun-1gpu.json"), "--gpus", "2xH200-sxm", "--against", str(other))
+    assert r.returncode == 2 and "presets[0] (preset A) tokens_per_s: missing" in r.stderr and not r.stdout, r.stderr

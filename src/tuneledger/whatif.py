@@ -204,6 +204,10 @@ def load_against(path: Path, hw: Hardware, n: int) -> dict:
     """--against's ledger, read and checked before anything is predicted. Raises WhatifError when it
     is not a GPU dry-run's ledger (load_ledger), or was measured on other GPUs or another count."""
     led = load_ledger(path)
+    for i, r in enumerate(led["presets"]):  # what the comparison reads beside what the model reads
+        if r.get("tokens_per_s") is None:
+            raise WhatifError(f"--against {path}: presets[{i}] (preset {r['preset']}) tokens_per_s: missing (a "
+                              "dry-run's dryrun.json has it: was the ledger cut short or edited?)")
     if led.get("world_size") != n or hw.gpu.lower() not in str(led.get("gpu", "")).lower():
         raise WhatifError(f"--against {path} was measured on {led.get('world_size')} x {led.get('gpu')}, and this "
                           f"prediction is for {n} x {hw.gpu}: an error needs the same GPUs, as many; give --gpus "

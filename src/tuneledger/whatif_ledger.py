@@ -81,7 +81,7 @@ class Row(_Part):
     diagnosis: Optional[Diagnosis] = None
     eta: Optional[Eta] = None
     save_s: Optional[AtLeast0] = None
-    tokens_per_s: Positive  # --against reads it
+    tokens_per_s: Optional[Positive] = None  # --against needs it (whatif.load_against)
 
     @model_validator(mode="after")
     def _consistent(self):
