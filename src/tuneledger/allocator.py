@@ -16,6 +16,8 @@ OLD, NEW = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
 # Packed and padded micro-batches vary in shape: the caching allocator fragments (preset D held
 # 69 GiB allocated in 138 GiB reserved) and then frees and retries, a stall of seconds.
 DEFAULT = "expandable_segments:True"
+# Why TUNELEDGER_MEMORY_STEP records nothing: the launcher's and the ranks' words
+NO_CUDA, ASYNC = "no CUDA GPU here", "the allocator is cudaMallocAsync, which keeps none"
 
 
 def rank_conf(environ: Mapping[str, str]) -> tuple[str, str | None]:

@@ -78,13 +78,17 @@ def _steps(cuda: bool) -> dict[str, int | None]:
 def all_notes(total_steps: int, warmup_steps: int | None = None, cuda: bool = True) -> list[str]:
     """notes() for both step variables as the environment sets them, on CUDA or not (`cuda`: a CPU run
     records no allocator history). Raises ConfigError as requested()."""
-    said = [n for env, step in _steps(cuda).items() for n in notes(step, total_steps, warmup_steps, env)]
-    memory = memory_requested()
-    if memory and not (cuda and allocator.keeps_history(os.environ)):
+    steps = _steps(cuda)
+    said = [n for env, step in steps.items() for n in notes(step, total_steps, warmup_steps, env)]
+    if (memory := memory_requested()) and steps[MEMORY_ENV] is None:
         # Said once here, not by every preset's ranks, and whatever the step (one past the end too).
-        why = "no CUDA GPU here" if not cuda else "the allocator is cudaMallocAsync, which keeps none"
-        said.append(f"note: {MEMORY_ENV}={memory}: {why}, so no allocator history to split")
+        said.append(no_history_note(memory, allocator.NO_CUDA if not cuda else allocator.ASYNC))
     return said
+
+
+def no_history_note(step: int, why: str) -> str:
+    """The one line for a TUNELEDGER_MEMORY_STEP that cannot record (`why`: allocator.NO_CUDA, .ASYNC)."""
+    return f"note: {MEMORY_ENV}={step}: {why}, so no allocator history to split"
 
 
 def measured_steps(warmup_steps: int, total_steps: int, cuda: bool = True) -> dict[str, int]:

@@ -50,9 +50,9 @@ def why_no_allocator_history(cuda: bool) -> str:
     torch's allocator is cudaMallocAsync, asked for by either variable torch reads. The launcher
     says it once for what it can foresee (profile_step.all_notes); the ranks only what it could not."""
     if not cuda:
-        return "no CUDA GPU here"
+        return allocator.NO_CUDA
     if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
-        return "the allocator is cudaMallocAsync, which keeps none"
+        return allocator.ASYNC
     return ""
 
 
@@ -179,7 +179,7 @@ def fit(cfg: JobConfig, job: dict, device: torch.device, rank: int, report_to: s
 
         trainer.add_callback(MemoryStep(recorded, out_dir, rank))
     elif recorded and rank == 0 and cuda and allocator.keeps_history(os.environ):  # else the launcher said it, once
-        print(f"note: {profile_step.MEMORY_ENV}={recorded}: {no_history}, so no allocator history to split", flush=True)
+        print(profile_step.no_history_note(recorded, no_history), flush=True)
     if os.environ.get("TUNELEDGER_CRASH_AFTER_STEP"):
         trainer.add_callback(CrashAfterStep(int(os.environ["TUNELEDGER_CRASH_AFTER_STEP"])))
     if cuda:
